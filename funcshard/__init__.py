@@ -1,0 +1,30 @@
+"""funcshard: fully sharded data parallel training for PyTorch, done the JAX way.
+
+    plan = funcshard.plan(model, mesh, groups=(Block,))      # specs, groups, schedule: frozen data
+    state = funcshard.shard(plan)                            # dict[str, Tensor] of this rank's shards
+    loss = lambda s, x, y: F.cross_entropy(funcshard.apply(plan, s, x), y)
+    grads = torch.func.grad(loss)(state, x, y)              # sharded, averaged over ranks
+"""
+
+from funcshard import optim
+from funcshard._apply import apply
+from funcshard._collectives import all_gather, all_reduce, reduce_scatter
+from funcshard._plan import Group, Plan, plan
+from funcshard._shard import check_state, gather, shard
+from funcshard._spec import ShardingError, ShardSpec
+
+__all__ = [
+    "Group",
+    "Plan",
+    "ShardSpec",
+    "ShardingError",
+    "all_gather",
+    "all_reduce",
+    "apply",
+    "check_state",
+    "gather",
+    "optim",
+    "plan",
+    "reduce_scatter",
+    "shard",
+]

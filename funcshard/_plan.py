@@ -1,0 +1,448 @@
+"""The Plan: specs, groups and schedule as frozen, printable data.
+
+A Plan says, for one module on one mesh, how every parameter is sharded (:class:`ShardSpec`), which
+parameters are all-gathered together (:class:`Group`) and in which order, and the schedule: reshard after
+forward, prefetch depth, explicit prefetch lists, gradient divide factor. The runtime only executes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard._spec import ShardingError, ShardSpec
+
+__all__ = ["Group", "Plan", "plan"]
+
+ROOT = ""  # the root group's name: the parameters no policy picked
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Parameters all-gathered together: one collective per dtype.
+
+    Attributes:
+        name: the group's name: its first module's path, ``""`` for the root group.
+        modules: paths of the modules whose forward uses the group (gathered before the first of them runs,
+            freed after the last of them has run). The root group's module is the whole model, ``("",)``.
+        params: canonical paths of the group's parameters, in module order.
+        reshard_after_forward: free the unsharded parameters after forward (gather again for backward).
+    """
+
+    name: str
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    reshard_after_forward: bool
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one module is sharded over one mesh and scheduled. Make one with :func:`funcshard.plan`.
+
+    Attributes:
+        module: the planned module (its structure, not its parameter values, is what the plan is about).
+        mesh: the DeviceMesh; parameters are sharded over ``shard_axis``.
+        shard_axis: the mesh axis parameters are sharded over (the last one; a 2-D ``(replicate, shard)`` mesh
+            for HSDP puts replication on axis 0).
+        specs: one :class:`ShardSpec` per parameter, keyed by canonical path.
+        groups: the gather groups in forward execution order; the root group comes first.
+        forward_prefetch: how many groups ahead the forward all-gathers run (0: gather on use).
+        backward_prefetch: how many groups ahead (in reverse order) the backward all-gathers run.
+        forward_prefetch_lists / backward_prefetch_lists: explicit per-group prefetch lists (group name ->
+            names of groups to gather when it starts); they replace the depth-based default for that group.
+        grad_divide_factor: gradients are reduce-scattered with a sum, then divided by this factor, once.
+            Default: the data-parallel size (the mesh size), so gradients are those of the global mean loss.
+    """
+
+    module: nn.Module = dataclasses.field(repr=False, compare=False)
+    mesh: DeviceMesh
+    shard_axis: int
+    specs: Mapping[str, ShardSpec]
+    groups: tuple[Group, ...]
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+    forward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    backward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    grad_divide_factor: float | None = None
+
+    # ---- derived facts -------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.mesh.size(self.shard_axis)
+
+    @property
+    def divide_factor(self) -> float:
+        """The factor gradients are divided by after the reduce-scatter (applied exactly once)."""
+        if self.grad_divide_factor is not None:
+            return float(self.grad_divide_factor)
+        return float(self.mesh.size())
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"plan has no group {name!r}; its groups are {[g.name for g in self.groups]}")
+
+    def prefetch_after(self, name: str, *, backward: bool = False) -> tuple[str, ...]:
+        """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward)."""
+        lists = self.backward_prefetch_lists if backward else self.forward_prefetch_lists
+        if name in lists:
+            return tuple(lists[name])
+        order = [g.name for g in self.groups if not g.is_root]
+        if backward:
+            order = order[::-1]
+        depth = self.backward_prefetch if backward else self.forward_prefetch
+        if name == ROOT:  # the root starts first in forward and in backward
+            return tuple(order[:depth])
+        i = order.index(name)
+        return tuple(order[i + 1 : i + 1 + depth])
+
+    # ---- editing (returns new plans) ---------------------------------------------------------
+    def replace(self, **changes: Any) -> Plan:
+        """A copy with some fields changed (``dataclasses.replace``), validated again."""
+        new = dataclasses.replace(self, **changes)
+        _check_schedule(new)
+        return new
+
+    def with_group(self, name: str, **changes: Any) -> Plan:
+        """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``."""
+        self.group(name)
+        groups = tuple(dataclasses.replace(g, **changes) if g.name == name else g for g in self.groups)
+        return self.replace(groups=groups)
+
+    # ---- printing ----------------------------------------------------------------------------
+    def collective_order(self) -> list[str]:
+        """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group
+        and dtype), as the runtime issues them with this schedule when modules run in plan order."""
+        ops: list[str] = []
+        gathered: set[str] = set()
+
+        def ag(name: str, why: str) -> None:
+            if name not in gathered:
+                gathered.add(name)
+                ops.append(f"all-gather {_label(name)}{why}")
+
+        for g in self.groups:
+            ag(g.name, "")
+            for p in self.prefetch_after(g.name):
+                ag(p, f" (prefetch, while {_label(g.name)} computes)")
+            if g.reshard_after_forward and not g.is_root:
+                gathered.discard(g.name)
+                ops.append(f"free {_label(g.name)}")
+        root = self.groups[0]
+        if root.reshard_after_forward:
+            gathered.discard(root.name)
+            ops.append(f"free {_label(root.name)}")
+        ops.append("-- backward --")
+        for g in (root, *reversed(self.groups[1:])):
+            ag(g.name, "" if g.is_root else " (before its backward)")
+            for p in self.prefetch_after(g.name, backward=True):
+                ag(p, f" (prefetch, while {_label(g.name)} computes)")
+            if not g.is_root:
+                ops.append(f"reduce-scatter {_label(g.name)}, free it")
+                gathered.discard(g.name)
+        ops.append(f"reduce-scatter {_label(root.name)}, free it")
+        return ops
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan over {self.mesh} (shard axis {self.shard_axis}, {self.world} shards), "
+            f"{len(self.specs)} parameters in {len(self.groups)} groups; "
+            f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
+            f"gradients divided by {self.divide_factor:g} after reduce-scatter",
+        ]
+        for g in self.groups:
+            nbytes = sum(_nbytes(self.specs[p]) for p in g.params)
+            dtypes = sorted({str(self.specs[p].dtype).removeprefix("torch.") for p in g.params})
+            lines.append(
+                f"  group {_label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
+                f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}"
+            )
+            lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
+        lines.append("  one step:")
+        lines.extend(f"    {i:>3}. {op}" for i, op in enumerate(self.collective_order(), 1))
+        return "\n".join(lines)
+
+
+def _label(name: str) -> str:
+    return "<root>" if name == ROOT else name
+
+
+def _nbytes(spec: ShardSpec) -> int:
+    return math.prod(spec.padded_shape) * spec.dtype.itemsize
+
+
+# ---- building a plan ---------------------------------------------------------------------------
+
+GroupPolicy = (
+    None
+    | type
+    | tuple[type, ...]
+    | Callable[[str, nn.Module], bool]
+    | Sequence[str | Sequence[str]]
+)
+
+
+def plan(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    groups: GroupPolicy = None,
+    shard_placement_fn: Callable[[str, nn.Parameter], int | None] | None = None,
+    reshard_after_forward: bool | None = None,
+    prefetch: int = 1,
+    backward_prefetch: int | None = None,
+    forward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
+    backward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
+    grad_divide_factor: float | None = None,
+) -> Plan:
+    """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
+
+    Args:
+        module: the model. Its parameters may live on the meta device (only shapes and dtypes are read).
+        mesh: a 1-D DeviceMesh (parameters are sharded over its only axis). ``None``: a 1-D mesh over the
+            default process group.
+        groups: which modules form gather groups; the remaining parameters form the root group. One of:
+            a module class or tuple of classes (every instance is a group, e.g. the transformer blocks);
+            a callable ``(fqn, module) -> bool``; a sequence of module paths, each a string (one module) or
+            a sequence of strings (several modules forming one group). Nested picks nest like FSDP2: an
+            inner group takes its own parameters, the outer one the rest. ``None``: one root group.
+        shard_placement_fn: ``(fqn, param) -> dim | None``: the tensor dim to shard each parameter on
+            (``None``: dim 0). Negative dims count from the end. Uneven sizes are padded, on any dim.
+        reshard_after_forward: free each group's unsharded parameters after its forward. ``None``: True for
+            every group but the root (which is used again at once by backward), as FSDP2 does.
+        prefetch: forward prefetch depth: while group k computes, the all-gathers of groups k+1..k+prefetch
+            are in flight. 0 gathers each group when it is used.
+        backward_prefetch: backward prefetch depth (default: ``prefetch``).
+        forward_prefetch_lists / backward_prefetch_lists: explicit prefetch lists, group name -> names.
+        grad_divide_factor: divide the summed gradients by this (default: the mesh size, i.e. average).
+    """
+    mesh = _resolve_mesh(mesh)
+    shard_axis = mesh.ndim - 1
+    world = mesh.size(shard_axis)
+    named = _canonical_params(module)
+    aliases: dict[str, list[str]] = {}
+    for fqn, canon in named["alias"].items():
+        aliases.setdefault(canon, []).append(fqn)
+
+    specs: dict[str, ShardSpec] = {}
+    problems: list[str] = []
+    for fqn, p in named["params"].items():
+        dim = 0
+        if shard_placement_fn is not None:
+            chosen = shard_placement_fn(fqn, p)
+            if chosen is not None:
+                if not isinstance(chosen, int):
+                    chosen = getattr(chosen, "dim", chosen)  # accept DTensor Shard(dim) too
+                dim = int(chosen)
+        ndim = max(p.dim(), 1)
+        if not -ndim <= dim < ndim:
+            problems.append(
+                f"  {fqn}: shape {tuple(p.shape)} has no dim {dim}; shard_placement_fn must return a dim in "
+                f"[{-ndim}, {ndim - 1}] (or None for dim 0)"
+            )
+            continue
+        specs[fqn] = ShardSpec(
+            fqn=fqn,
+            shape=tuple(p.shape),
+            dtype=p.dtype,
+            dim=dim % ndim,
+            axis=shard_axis,
+            world=world,
+            requires_grad=p.requires_grad,
+            aliases=tuple(aliases[fqn]),
+        )
+    if problems:
+        raise ShardingError(
+            f"cannot shard over mesh {_mesh_str(mesh)}:\n" + "\n".join(problems)
+        )
+
+    root_rsf = False if reshard_after_forward is None else bool(reshard_after_forward)
+    other_rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
+    group_list = _make_groups(module, groups, named, root_rsf, other_rsf)
+    result = Plan(
+        module=module,
+        mesh=mesh,
+        shard_axis=shard_axis,
+        specs=specs,
+        groups=group_list,
+        forward_prefetch=int(prefetch),
+        backward_prefetch=int(prefetch if backward_prefetch is None else backward_prefetch),
+        forward_prefetch_lists={k: tuple(v) for k, v in (forward_prefetch_lists or {}).items()},
+        backward_prefetch_lists={k: tuple(v) for k, v in (backward_prefetch_lists or {}).items()},
+        grad_divide_factor=grad_divide_factor,
+    )
+    _check_schedule(result)
+    return result
+
+
+def _mesh_str(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names
+    axes = ", ".join(f"{n}={s}" if n else str(s) for n, s in zip(names or [None] * mesh.ndim, mesh.shape))
+    return f"DeviceMesh({mesh.device_type!r}, shape ({axes}))"
+
+
+def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            raise ShardingError(
+                "plan() needs a DeviceMesh, and torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group(...) (or launch with torchrun) first, then pass "
+                "mesh=init_device_mesh(device_type, (world_size,)) or mesh=None for the default group"
+            )
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardingError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one "
+            f"with init_device_mesh(device_type, (world_size,))"
+        )
+    if mesh.ndim != 1:
+        raise ShardingError(
+            f"mesh {_mesh_str(mesh)} has {mesh.ndim} axes; funcshard shards over a 1-D mesh for now "
+            f"(HSDP over a 2-D (replicate, shard) mesh is not built yet): pass mesh[axis_name] for one axis"
+        )
+    check_mesh(mesh)
+    return mesh
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """Raise if ``mesh`` does not match its process group (size) or the group is gone."""
+    axis = mesh.ndim - 1
+    try:
+        pg = mesh.get_group(axis)
+        pg_size = dist.get_world_size(pg)
+    except Exception as e:  # destroyed or never-initialized process group
+        raise ShardingError(
+            f"mesh {_mesh_str(mesh)} has no live process group on axis {axis} ({e}); "
+            f"re-create the mesh (and the plan) after init_process_group"
+        ) from None
+    if pg_size != mesh.size(axis):
+        raise ShardingError(
+            f"mesh {_mesh_str(mesh)} has {mesh.size(axis)} ranks on axis {axis} but its process group has "
+            f"{pg_size}; build the mesh from the current group: init_device_mesh(device_type, ({pg_size},))"
+        )
+
+
+def _canonical_params(module: nn.Module) -> dict[str, dict]:
+    """Every parameter once (first path wins), and every path -> canonical path (tied parameters)."""
+    params: dict[str, nn.Parameter] = {}
+    by_id: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        canon = by_id.setdefault(id(p), fqn)
+        alias[fqn] = canon
+        if canon == fqn:
+            params[fqn] = p
+    return {"params": params, "alias": alias}
+
+
+def _owner(fqn: str, roots: Sequence[str]) -> str | None:
+    """The deepest module path in ``roots`` that contains the path ``fqn``."""
+    best = None
+    for r in roots:
+        if r == "" or fqn == r or fqn.startswith(r + "."):
+            if best is None or len(r) > len(best):
+                best = r
+    return best
+
+
+def _make_groups(
+    module: nn.Module, policy: GroupPolicy, named: dict, root_rsf: bool, other_rsf: bool
+) -> tuple[Group, ...]:
+    mods = dict(module.named_modules())
+    order = {name: i for i, name in enumerate(mods)}
+    # 1. which module paths form which group
+    units: list[tuple[str, ...]] = []
+    if policy is None:
+        pass
+    elif isinstance(policy, type) or (
+        isinstance(policy, tuple) and policy and all(isinstance(c, type) for c in policy)
+    ):
+        units = [(n,) for n, m in mods.items() if n and isinstance(m, policy)]
+    elif callable(policy):
+        units = [(n,) for n, m in mods.items() if n and policy(n, m)]
+    else:
+        for item in policy:
+            unit = (item,) if isinstance(item, str) else tuple(item)
+            for n in unit:
+                if n not in mods:
+                    raise ShardingError(
+                        f"groups names module {n!r}, which {type(module).__name__} does not have; "
+                        f"pick from its named_modules(), e.g. {list(mods)[1:6]}"
+                    )
+                if n == "":
+                    raise ShardingError(
+                        "groups names the root module ''; the root group is implicit (every parameter no "
+                        "group takes), so leave it out"
+                    )
+            units.append(unit)
+    seen: dict[str, tuple[str, ...]] = {}
+    for unit in units:
+        for n in unit:
+            if n in seen:
+                raise ShardingError(f"module {n!r} is in two groups: {seen[n]} and {unit}; list it once")
+            seen[n] = unit
+    # 2. each parameter goes to the deepest picked module that contains all of its paths
+    mod_roots = list(seen)
+    by_unit: dict[tuple[str, ...], list[str]] = {u: [] for u in units}
+    root_params: list[str] = []
+    aliases: dict[str, list[str]] = {}
+    for fqn, canon in named["alias"].items():
+        aliases.setdefault(canon, []).append(fqn)
+    for canon, paths in aliases.items():
+        owners = {_owner(p, mod_roots) for p in paths}
+        units_of = {seen[o] if o is not None else None for o in owners}
+        if len(units_of) == 1 and None not in units_of:
+            by_unit[units_of.pop()].append(canon)
+        else:  # not under a picked module, or tied across groups: the root gathers it for everyone
+            root_params.append(canon)
+    groups = [Group(ROOT, ("",), tuple(root_params), root_rsf)]
+    for unit in sorted(units, key=lambda u: order[u[0]]):
+        if by_unit[unit]:
+            groups.append(Group(unit[0], unit, tuple(by_unit[unit]), other_rsf))
+    return tuple(groups)
+
+
+def _check_schedule(p: Plan) -> None:
+    names = {g.name for g in p.groups}
+    if p.forward_prefetch < 0 or p.backward_prefetch < 0:
+        raise ShardingError(
+            f"prefetch depths must be >= 0, got forward {p.forward_prefetch}, backward {p.backward_prefetch}"
+        )
+    for kind, lists in (("forward", p.forward_prefetch_lists), ("backward", p.backward_prefetch_lists)):
+        for k, v in lists.items():
+            for n in (k, *v):
+                if n not in names:
+                    raise ShardingError(
+                        f"{kind}_prefetch_lists names group {n!r}, which the plan does not have; "
+                        f"its groups are {sorted(names)}"
+                    )
+    seen: dict[str, str] = {}
+    for g in p.groups:
+        for q in g.params:
+            if q in seen:
+                raise ShardingError(f"parameter {q!r} is in groups {seen[q]!r} and {g.name!r}; a parameter "
+                                    f"belongs to exactly one group")
+            seen[q] = g.name
+    missing = set(p.specs) - set(seen)
+    if missing:
+        raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
+    if p.grad_divide_factor is not None and not p.grad_divide_factor > 0:
+        raise ShardingError(f"grad_divide_factor must be > 0, got {p.grad_divide_factor}")
+
+
+def module_params(plan: Plan) -> dict[str, torch.Tensor]:
+    """The planned module's current parameters, by canonical path."""
+    return _canonical_params(plan.module)["params"]

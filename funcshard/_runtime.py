@@ -1,0 +1,307 @@
+"""Executes a Plan for one forward/backward: just-in-time all-gather, free, prefetch, reduce-scatter.
+
+One :class:`Step` per ``apply`` call. It owns the unsharded (padded) parameter tensors as raw buffers, so
+that freeing them (``untyped_storage().resize_(0)``) and refilling them before backward works under
+``torch.func`` transforms too, where autograd only ever sees wrapped views of them.
+
+Autograd nodes per group:
+- ``_GroupGather``: shards -> unsharded parameters. Its backward is the group's post-backward: one
+  reduce-scatter per dtype of the parameters' gradients, divided once by ``plan.divide_factor``; then the
+  unsharded parameters are freed.
+- ``_PreBackward``: identity on the group's forward outputs. Its backward runs before any backward op of the
+  group: it gathers the group again (if it was resharded) and issues the backward prefetches.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from funcshard._collectives import Buckets, PendingGather, no_functorch, raw, reduce_scatter_grads, start_gather
+from funcshard._plan import ROOT, Group, Plan
+
+_hook_state = threading.local()
+
+
+class _Status(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class _GroupRuntime:
+    """One group's buffers and state within a step."""
+
+    __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
+                 "fwd_started", "fwd_done", "swapped", "frozen")
+
+    def __init__(self, plan: Plan, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
+        self.group = group
+        self.layout = layout
+        self.shards = [raw(state[p]) for p in group.params]
+        self.padded: list[torch.Tensor] | None = None
+        self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
+        self.status = _Status.SHARDED
+        self.pending: PendingGather | None = None
+        self.slots = _slots(plan, group)
+        self.originals: list[Any] | None = None
+        self.fwd_started = 0
+        self.fwd_done = 0
+        self.swapped = False
+        self.frozen = not all(plan.specs[p].requires_grad for p in group.params)
+
+
+def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
+    """(module, attribute, param index) for every path of the group's parameters."""
+    out = []
+    for i, p in enumerate(group.params):
+        for path in plan.specs[p].aliases:
+            mod_path, _, attr = path.rpartition(".")
+            out.append((plan.module.get_submodule(mod_path), attr, i))
+    return out
+
+
+class Step:
+    """The runtime of one ``apply`` call."""
+
+    def __init__(self, plan: Plan, state: dict[str, torch.Tensor]):
+        self.plan = plan
+        self.pg = plan.mesh.get_group(plan.shard_axis)
+        self.rank = plan.mesh.get_local_rank(plan.shard_axis)
+        self.state = state
+        layouts = _layouts(plan)
+        self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], state) for g in plan.groups}
+        self.backward_started = False
+
+    # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
+    def unshard(self, name: str) -> None:
+        """Issue the group's all-gather (async) unless it is gathered or in flight."""
+        gr = self.groups[name]
+        if gr.status is not _Status.SHARDED:
+            return
+        with no_functorch(), torch.no_grad():
+            if gr.padded is None:
+                specs = gr.layout.specs
+                gr.padded = [
+                    torch.empty(s.padded_shape, dtype=s.dtype, device=sh.device) for s, sh in zip(specs, gr.shards)
+                ]
+            else:
+                for t in gr.padded:
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+            gr.pending = start_gather(gr.layout, gr.shards, gr.padded, self.pg, self.rank)
+        gr.status = _Status.GATHERING
+
+    def wait(self, name: str) -> None:
+        gr = self.groups[name]
+        if gr.status is _Status.SHARDED:
+            self.unshard(name)
+        if gr.status is _Status.GATHERING:
+            # Refilling tensors autograd saved for backward: their version must not change.
+            with no_functorch(), torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded)):
+                gr.pending.finish()
+            gr.pending = None
+            gr.status = _Status.GATHERED
+
+    def reshard(self, name: str) -> None:
+        """Free the group's unsharded parameters (their storage; autograd's references stay valid)."""
+        gr = self.groups[name]
+        if gr.status is _Status.SHARDED:
+            return
+        if gr.status is _Status.GATHERING:  # never free memory a collective still writes to
+            self.wait(name)
+        self.swap_out(name)
+        with no_functorch():
+            for t in gr.padded:
+                t.untyped_storage().resize_(0)
+        gr.status = _Status.SHARDED
+
+    def prefetch(self, name: str, *, backward: bool) -> None:
+        for other in self.plan.prefetch_after(name, backward=backward):
+            self.unshard(other)
+
+    # ---- module attributes -----------------------------------------------------------------------
+    def swap_in(self, name: str) -> None:
+        gr = self.groups[name]
+        if gr.swapped or gr.views is None:
+            return
+        originals = []
+        for mod, attr, i in gr.slots:
+            originals.append(mod._parameters[attr])
+            mod._parameters[attr] = gr.views[i]
+        if gr.originals is None:
+            gr.originals = originals
+        gr.swapped = True
+
+    def swap_out(self, name: str) -> None:
+        gr = self.groups[name]
+        if not gr.swapped:
+            return
+        for (mod, attr, _), orig in zip(gr.slots, gr.originals):
+            mod._parameters[attr] = orig
+        gr.swapped = False
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def gather_for_forward(self, name: str) -> tuple[torch.Tensor, ...]:
+        gr = self.groups[name]
+        self.unshard(name)
+        self.wait(name)
+        self.prefetch(name, backward=False)
+        state = self.state
+        gr.views = _GroupGather.apply(self, name, *[state[p] for p in gr.group.params])
+        return gr.views
+
+    def post_forward(self, name: str, output: Any) -> Any:
+        gr = self.groups[name]
+        self.swap_out(name)
+        if gr.group.reshard_after_forward:
+            self.reshard(name)
+        return self.wrap_for_backward(name, output)
+
+    def wrap_for_backward(self, name: str, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        leaves, spec = pytree.tree_flatten(output)
+        idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()
+               and x.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(self, name, *[leaves[i] for i in idx])
+        for i, w in zip(idx, wrapped):
+            leaves[i] = w
+        return pytree.tree_unflatten(leaves, spec)
+
+    # ---- backward --------------------------------------------------------------------------------
+    def pre_backward(self, name: str) -> None:
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        self.unshard(name)
+        self.wait(name)
+        self.swap_in(name)  # activation-checkpoint recomputation reads the module's attributes
+        self.prefetch(name, backward=True)
+
+    def post_backward(self, name: str, grads) -> list[torch.Tensor]:
+        gr = self.groups[name]
+        with no_functorch():
+            out = reduce_scatter_grads(gr.layout, [None if g is None else raw(g) for g in grads], self.pg,
+                                       self.plan.divide_factor)
+        if not gr.frozen:  # frozen parameters may still be read by backward ops that do not reach here
+            self.reshard(name)
+        return out
+
+    def end_of_backward(self) -> None:
+        for name in self.groups:
+            self.reshard(name)
+        self.backward_started = False
+
+    # ---- the whole forward -----------------------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        plan = self.plan
+        handles = []
+        for g in plan.groups[1:]:
+            for path in g.modules:
+                mod = plan.module.get_submodule(path)
+                handles.append(mod.register_forward_pre_hook(_make_pre_hook(self, g.name), prepend=True))
+                handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
+        root = self.groups[ROOT]
+        try:
+            views = self.gather_for_forward(ROOT)
+            params = {p: v for p, v in zip(root.group.params, views)}
+            out = torch.func.functional_call(plan.module, params, args, kwargs, strict=False)
+        finally:
+            for h in handles:
+                h.remove()
+            for name in self.groups:
+                self.swap_out(name)
+        if root.group.reshard_after_forward:
+            self.reshard(ROOT)
+        return self.wrap_for_backward(ROOT, out)
+
+
+def _make_pre_hook(step: Step, name: str):
+    gr = step.groups[name]
+
+    def pre_hook(module, args):
+        if gr.fwd_started == 0:
+            step.gather_for_forward(name)
+        gr.fwd_started += 1
+        step.swap_in(name)
+
+    return pre_hook
+
+
+def _make_post_hook(step: Step, name: str):
+    gr = step.groups[name]
+
+    def post_hook(module, args, output):
+        gr.fwd_done += 1
+        if gr.fwd_done >= len(gr.group.modules):
+            return step.post_forward(name, output)
+        return step.wrap_for_backward(name, output)
+
+    return post_hook
+
+
+_LAYOUT_CACHE: dict[int, tuple[Plan, dict[str, Buckets]]] = {}
+
+
+def _layouts(plan: Plan) -> dict[str, Buckets]:
+    hit = _LAYOUT_CACHE.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    layouts = {g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups}
+    if len(_LAYOUT_CACHE) > 64:
+        _LAYOUT_CACHE.clear()
+    _LAYOUT_CACHE[id(plan)] = (plan, layouts)
+    return layouts
+
+
+class _GroupGather(torch.autograd.Function):
+    """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers)."""
+
+    @staticmethod
+    def forward(step: Step, name: str, *shards: torch.Tensor):
+        gr = step.groups[name]
+        step.wait(name)
+        return tuple(s.unpad(t) for s, t in zip(gr.layout.specs, gr.padded))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.step, ctx.name = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.step.post_backward(ctx.name, grads))
+
+    @staticmethod
+    def jvp(ctx, _step, _name, *tangents):
+        raise NotImplementedError(
+            "funcshard.apply does not support forward-mode AD (torch.func.jvp) yet; use funcshard.gather, "
+            "whose tangent rule is the gather of the tangents, or reverse mode (grad / vjp)"
+        )
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a group's outputs; its backward gathers the group again before the group's backward."""
+
+    @staticmethod
+    def forward(step: Step, name: str, *xs: torch.Tensor):
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.step, ctx.name = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.step.pre_backward(ctx.name)
+        return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _step, _name, *tangents):
+        return tangents

@@ -1,0 +1,136 @@
+"""shard / gather: full parameters <-> a plain dict of local shards, and the checks on a state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from funcshard._collectives import Buckets, no_functorch, raw, reduce_scatter_grads, start_gather
+from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
+from funcshard._spec import ShardingError
+
+
+def _fail(plan: Plan, what: str, problems: list[str], fix: str) -> ShardingError:
+    shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    return ShardingError(f"{what} (mesh {_mesh_str(plan.mesh)}):\n" + "\n".join(shown) + f"\n{fix}")
+
+
+def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "state") -> None:
+    """Raise a :class:`ShardingError` naming every key of ``state`` that does not fit ``plan``."""
+    if not isinstance(state, Mapping):
+        raise ShardingError(
+            f"{what} must be a dict of local shards (what funcshard.shard returns), got {type(state).__name__}"
+        )
+    problems = []
+    specs = plan.specs
+    for k, v in state.items():
+        spec = specs.get(k)
+        if spec is None:
+            problems.append(f"  {k}: not a parameter of this plan (extra key)")
+        elif not isinstance(v, torch.Tensor):
+            problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
+        elif tuple(v.shape) != spec.local_shape or v.dtype != spec.dtype:
+            problems.append(
+                f"  {k}: local shard {tuple(v.shape)} {v.dtype}, the plan expects {spec.local_shape} {spec.dtype} "
+                f"(global {spec.shape} sharded on dim {spec.dim} over {spec.world} ranks)"
+            )
+    problems += [f"  {k}: missing" for k in specs if k not in state]
+    if problems:
+        raise _fail(
+            plan,
+            f"{what} does not match the plan",
+            problems,
+            "Make the state with funcshard.shard(plan, ...) using this same plan; a state made by another plan "
+            "(other mesh size, shard dims or model) does not fit.",
+        )
+
+
+def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's shards of the full parameters, as a plain ``dict[str, Tensor]`` keyed like ``plan.specs``.
+
+    Args:
+        plan: from :func:`funcshard.plan`.
+        params: full (unsharded) tensors by canonical path, the same on every rank. Default: the planned
+            module's current parameters. Never mutated; the shards are new tensors (about 1/W of the bytes,
+            plus padding), detached, on the tensors' device.
+    """
+    check_mesh(plan.mesh)
+    if params is None:
+        params = module_params(plan)
+    if not isinstance(params, Mapping):
+        raise ShardingError(f"params must be a dict of full tensors by path, got {type(params).__name__}")
+    problems = []
+    for k, v in params.items():
+        spec = plan.specs.get(k)
+        if spec is None:
+            problems.append(f"  {k}: not a parameter of this plan (extra key; tied parameters use their first path)")
+        elif not isinstance(v, torch.Tensor):
+            problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
+        elif v.is_meta:
+            problems.append(f"  {k}: on the meta device, it has no data; materialize it (to_empty + init) first")
+        elif tuple(v.shape) != spec.shape:
+            problems.append(f"  {k}: shape {tuple(v.shape)}, the plan expects {spec.shape}")
+    problems += [f"  {k}: missing" for k in plan.specs if k not in params]
+    if problems:
+        raise _fail(plan, "cannot shard these parameters", problems,
+                    "Pass one full tensor per parameter of the planned module (see plan.specs).")
+    rank = plan.mesh.get_local_rank(plan.shard_axis)
+    with torch.no_grad():
+        return {k: spec.local_shard(raw(params[k]).to(spec.dtype), rank) for k, spec in plan.specs.items()}
+
+
+class _Gather(torch.autograd.Function):
+    """One group's shards -> full parameters. Backward: reduce-scatter (sum), the exact transpose."""
+
+    @staticmethod
+    def forward(layout: Buckets, pg, rank: int, *shards: torch.Tensor):
+        with no_functorch():
+            shards = [raw(s) for s in shards]
+            targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
+            start_gather(layout, shards, targets, pg, rank).finish()
+        return tuple(s.unpad(t) for s, t in zip(layout.specs, targets))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout, ctx.pg, ctx.rank = inputs[0], inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with no_functorch():
+            out = reduce_scatter_grads(ctx.layout, [None if g is None else raw(g) for g in grads], ctx.pg, 1.0)
+        return (None, None, None, *out)
+
+    @staticmethod
+    def jvp(ctx, _layout, _pg, _rank, *tangents):
+        return _Gather.apply(ctx.layout, ctx.pg, ctx.rank, *tangents)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(
+            "funcshard.gather under torch.func.vmap with batched shards is not supported: vmap over the data "
+            "(inputs) and keep the sharded state unbatched (in_dims=None for it)"
+        )
+
+
+def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full parameters from the local shards, bit-identical to what was sharded.
+
+    Differentiable (autograd and torch.func): the gradient of a shard is the reduce-scatter (sum over
+    ranks) of the full gradient, the transpose of the all-gather; nothing is averaged here. One all-gather
+    per group and dtype.
+    """
+    check_state(plan, state)
+    check_mesh(plan.mesh)
+    from funcshard._runtime import _layouts
+
+    layouts = _layouts(plan)
+    pg = plan.mesh.get_group(plan.shard_axis)
+    rank = plan.mesh.get_local_rank(plan.shard_axis)
+    out: dict[str, torch.Tensor] = {}
+    for g in plan.groups:
+        if not g.params:
+            continue
+        full = _Gather.apply(layouts[g.name], pg, rank, *[state[p] for p in g.params])
+        out.update(zip(g.params, full))
+    return out

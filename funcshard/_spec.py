@@ -1,0 +1,120 @@
+"""Per-parameter shard specs: which mesh axis, which tensor dim, how much padding.
+
+Vocabulary (as in torchtitan): an *axis* is a DeviceMesh axis, a *dim* is a tensor dimension.
+
+A parameter of global size ``n`` along its shard dim, sharded over ``W`` ranks, is padded to
+``W * chunk`` with ``chunk = ceil(n / W)``; rank ``r`` holds rows ``[r * chunk, (r + 1) * chunk)`` of the
+padded tensor. The unpadded part of each rank's shard is exactly what ``torch.chunk`` (and so DTensor's
+``Shard(dim)``) gives that rank. Padding entries are zeros and stay zeros under gradient descent, because
+their gradient is zero. A 0-dim parameter is sharded as a 1-element vector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["ShardSpec", "ShardingError"]
+
+
+class ShardingError(ValueError):
+    """Bad input to funcshard: the message names the parameter, the shapes, the mesh and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is sharded. Frozen, printable data.
+
+    Attributes:
+        fqn: the parameter's canonical path in the module (its first name when tied).
+        shape: global (unsharded) shape.
+        dtype: dtype of the parameter.
+        dim: the tensor dim that is sharded (0 for a 0-dim parameter, sharded as shape ``(1,)``).
+        axis: the mesh axis the dim is sharded over (an index into the mesh's axes).
+        world: number of shards (the size of that mesh axis).
+        requires_grad: whether the module's parameter requires grad.
+        aliases: every path under which the parameter is reachable (tied parameters have several).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    axis: int
+    world: int
+    requires_grad: bool = True
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def sharded_shape(self) -> tuple[int, ...]:
+        """The shape that is split: ``shape``, or ``(1,)`` for a 0-dim parameter."""
+        return self.shape if self.shape else (1,)
+
+    @property
+    def size(self) -> int:
+        """Global size of the shard dim."""
+        return self.sharded_shape[self.dim]
+
+    @property
+    def chunk(self) -> int:
+        """Size of every rank's shard along the shard dim, padding included."""
+        return math.ceil(self.size / self.world)
+
+    @property
+    def padding(self) -> int:
+        return self.chunk * self.world - self.size
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        s = list(self.sharded_shape)
+        s[self.dim] = self.chunk * self.world
+        return tuple(s)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        s = list(self.sharded_shape)
+        s[self.dim] = self.chunk
+        return tuple(s)
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def local_valid(self, rank: int) -> int:
+        """How many rows of rank ``rank``'s shard along ``dim`` are real data (the rest is padding)."""
+        return max(0, min(self.chunk, self.size - rank * self.chunk))
+
+    def split_view(self, padded: torch.Tensor) -> torch.Tensor:
+        """View a padded full tensor as ``(W, *local_shape)`` (rank-major, the all-gather layout).
+
+        The result is a strided view (no copy), with the rank index first.
+        """
+        d = self.dim
+        shp = list(self.padded_shape)
+        shp[d : d + 1] = [self.world, self.chunk]
+        return padded.view(shp).movedim(d, 0)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """The parameter as a view of its padded full tensor."""
+        out = padded.narrow(self.dim, 0, self.size) if self.padding else padded
+        return out.view(self.shape)
+
+    def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s padded shard of the full tensor, as a new contiguous tensor."""
+        full = full.reshape(self.sharded_shape)
+        out = full.new_zeros(self.local_shape)
+        n = self.local_valid(rank)
+        if n:
+            out.narrow(self.dim, 0, n).copy_(full.narrow(self.dim, rank * self.chunk, n))
+        return out
+
+    def describe(self) -> str:
+        pad = f" pad {self.padding}" if self.padding else ""
+        tied = f" tied {list(self.aliases[1:])}" if len(self.aliases) > 1 else ""
+        frozen = "" if self.requires_grad else " frozen"
+        return (
+            f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} "
+            f"dim {self.dim} over axis {self.axis} -> local {self.local_shape}{pad}{frozen}{tied}"
+        )

@@ -1,0 +1,659 @@
+"""Optax-style optimizers over pytrees of (sharded) tensors.
+
+An optimizer is a :class:`GradientTransformation`: a pair of pure functions
+
+* ``init(params) -> opt_state``
+* ``update(updates, opt_state, params=None) -> (updates, opt_state)``
+
+working on any pytree of tensors (flattened with :mod:`optree`, namespace
+``"funcshard"``, ``none_is_leaf=False``); the usual case is a flat
+``dict[str, Tensor]`` holding the *local shards* of the parameters. Every
+per-parameter piece of optimizer state (Adam moments, momentum buffers) has the
+same structure, keys, shapes and dtypes as the params given to ``init``: the
+optimizer state is sharded exactly like the parameters, and the element-wise
+math needs no communication. The only collective is the one ``all_reduce`` of a
+scalar in :func:`clip_by_global_norm`.
+
+Training step::
+
+    import torch
+    from funcshard import optim
+
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0, mesh=mesh),   # global norm across ranks
+        optim.adamw(lr=3e-4, weight_decay=0.1),       # == torch.optim.AdamW
+    )
+    opt_state = tx.init(state)                       # state: dict[str, Tensor]
+
+    def train_step(state, opt_state, batch):
+        grads = torch.func.grad(loss_fn)(state, batch)
+        updates, opt_state = tx.update(grads, opt_state, state)
+        state = optim.apply_updates(state, updates)
+        return state, opt_state
+
+Conventions (as in optax):
+
+* ``update`` returns the deltas to *add* to the params (``-lr * direction``);
+  :func:`apply_updates` adds them. Nothing is mutated: ``update`` returns new
+  update and state tensors and leaves its inputs (grads, state, params) alone,
+  and :func:`apply_updates` returns new parameter tensors.
+* ``update`` accepts and ignores extra keyword arguments (``**extra``) for
+  forward compatibility.
+* ``lr`` is a float or a schedule ``schedule(count: int) -> float`` where
+  ``count`` is the number of updates already applied: ``0`` for the first
+  update. This matches both optax (``scale_by_schedule``) and torch's
+  ``LambdaLR`` (``lr_lambda(0)`` is used by the first ``optimizer.step()``).
+  Torch's own step counter (``state["step"]``, used for Adam's bias correction)
+  is 1 in the first step; ``ScaleByAdamState.count`` is that counter after the
+  update, i.e. ``1`` after the first update, exactly like ``state["step"]``.
+* ``count`` fields of the state NamedTuples are plain Python ``int``.
+* Updates run under ``torch.no_grad()`` with ``torch._foreach_*`` kernels over
+  the flat list of leaves; no per-parameter math loops in Python.
+* Bad input (an ``updates`` tree whose keys/structure or shapes differ from the
+  optimizer state or params) raises ``ValueError``/``TypeError`` naming the key
+  path, the shapes, and the fix.
+
+:func:`sgd` and :func:`adamw` reproduce ``torch.optim.SGD`` and
+``torch.optim.AdamW`` (same defaults, same math, including the coupled L2
+weight decay and first-gradient momentum initialisation of SGD and the
+decoupled weight decay ``p *= 1 - lr * wd`` of AdamW applied to the param value
+before the Adam step). ``amsgrad``, ``maximize``, ``foreach``, ``fused``,
+``capturable`` and ``differentiable`` are not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Union
+
+import optree
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GradientTransformation",
+    "Schedule",
+    "ScalarOrSchedule",
+    "EmptyState",
+    "ScaleState",
+    "ScaleByScheduleState",
+    "ScaleByAdamState",
+    "AddDecayedWeightsState",
+    "TraceState",
+    "ClipByGlobalNormState",
+    "identity",
+    "scale",
+    "scale_by_schedule",
+    "scale_by_learning_rate",
+    "scale_by_adam",
+    "add_decayed_weights",
+    "trace",
+    "clip_by_global_norm",
+    "chain",
+    "sgd",
+    "adamw",
+    "apply_updates",
+]
+
+_NAMESPACE = "funcshard"
+
+PyTree = Any
+Schedule = Callable[[int], Union[float, torch.Tensor]]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer as a pair of pure functions (optax convention).
+
+    ``init(params) -> opt_state``;
+    ``update(updates, opt_state, params=None, **extra) -> (updates, opt_state)``.
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+class ScaleState(NamedTuple):
+    """State of :func:`scale` (empty)."""
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`: ``count`` = updates applied so far."""
+
+    count: int
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    ``count``: steps taken (torch's ``state["step"]``); ``mu``/``nu``: first and
+    second moments (torch's ``exp_avg``/``exp_avg_sq``), pytrees like the params.
+    """
+
+    count: int
+    mu: PyTree
+    nu: PyTree
+
+
+class AddDecayedWeightsState(NamedTuple):
+    """State of :func:`add_decayed_weights` (empty)."""
+
+
+class TraceState(NamedTuple):
+    """State of :func:`trace`: ``count`` = steps taken, ``trace`` = momentum
+    buffers (torch's ``momentum_buffer``), a pytree like the params."""
+
+    count: int
+    trace: PyTree
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm` (empty)."""
+
+
+# --------------------------------------------------------------------------
+# pytree helpers and input validation
+# --------------------------------------------------------------------------
+
+
+def _flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
+
+
+def _unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
+    return optree.tree_unflatten(spec, leaves)
+
+
+def _keystr(path: tuple[Any, ...]) -> str:
+    if not path:
+        return "<root>"
+    return "".join(f"[{k!r}]" for k in path)
+
+
+def _paths(tree: PyTree) -> list[tuple[Any, ...]]:
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=_NAMESPACE)
+    return paths
+
+
+def _fmt_keys(paths: Sequence[tuple[Any, ...]], limit: int = 8) -> str:
+    shown = [_keystr(p) for p in paths[:limit]]
+    more = f" ... (+{len(paths) - limit} more)" if len(paths) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _check_tensor_leaves(where: str, what: str, tree: PyTree, leaves: Sequence[Any]) -> None:
+    for path, leaf in zip(_paths(tree), leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{where}: {what} leaf at {_keystr(path)} is a {type(leaf).__name__}, "
+                f"not a torch.Tensor. Fix: pass a pytree whose leaves are all tensors "
+                f"(e.g. dict[str, Tensor]); use None (not a number) for absent entries."
+            )
+
+
+def _check_match(
+    where: str,
+    what: str,
+    tree: PyTree,
+    leaves: list[Any],
+    spec: optree.PyTreeSpec,
+    ref_what: str,
+    ref_tree: PyTree,
+    ref_leaves: list[Any],
+    ref_spec: optree.PyTreeSpec,
+    fix: str,
+) -> None:
+    """Raise a helpful error unless ``tree`` has ``ref_tree``'s structure and shapes.
+
+    The fast path is one treespec comparison and one comparison of shape lists.
+    """
+    if spec != ref_spec:
+        paths, ref_paths = _paths(tree), _paths(ref_tree)
+        ref_set, path_set = set(ref_paths), set(paths)
+        missing = [p for p in ref_paths if p not in path_set]
+        extra = [p for p in paths if p not in ref_set]
+        parts = []
+        if missing:
+            parts.append(f"missing keys {_fmt_keys(missing)} (in {ref_what}, not in {what})")
+        if extra:
+            parts.append(f"unexpected keys {_fmt_keys(extra)} (in {what}, not in {ref_what})")
+        if not parts:
+            parts.append(f"same keys but different container types: {what} is {spec}, {ref_what} is {ref_spec}")
+        raise ValueError(f"{where}: {what} do not match the {ref_what}: " + "; ".join(parts) + f". Fix: {fix}")
+    try:
+        shapes = [x.shape for x in leaves]
+    except AttributeError:
+        _check_tensor_leaves(where, what, tree, leaves)
+        raise
+    try:
+        ref_shapes = [x.shape for x in ref_leaves]
+    except AttributeError:
+        _check_tensor_leaves(where, ref_what, ref_tree, ref_leaves)
+        raise
+    if shapes != ref_shapes:
+        for path, s, r in zip(_paths(tree), shapes, ref_shapes):
+            if s != r:
+                raise ValueError(
+                    f"{where}: shape mismatch at {_keystr(path)}: {what} has shape {tuple(s)} "
+                    f"but the {ref_what} has shape {tuple(r)}. Fix: {fix}"
+                )
+
+
+_FIX_STATE = (
+    "pass updates (grads) with exactly the structure and local shard shapes of the params "
+    "given to init(); if the parameters or their sharding changed, re-create the state "
+    "with tx.init(params)."
+)
+_FIX_PARAMS = (
+    "pass the current params (same keys and local shard shapes as the updates) as the "
+    "third argument: tx.update(grads, opt_state, params)."
+)
+
+
+def _check_state(where: str, state: Any, state_type: type) -> None:
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{where}: expected opt_state of type {state_type.__name__}, got {type(state).__name__}. "
+            f"Fix: pass the state returned by this transformation's init() (or by its previous update())."
+        )
+
+
+def _require_params(where: str, params: PyTree) -> None:
+    if params is None:
+        raise ValueError(f"{where}: params are required but got None. Fix: {_FIX_PARAMS}")
+
+
+def _zeros_like_tree(where: str, params: PyTree) -> PyTree:
+    leaves, spec = _flatten(params)
+    _check_tensor_leaves(where, "params", params, leaves)
+    with torch.no_grad():
+        return _unflatten(spec, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
+
+
+def _check_nonneg(name: str, value: float, where: str) -> None:
+    if not (isinstance(value, (int, float)) and value >= 0.0):
+        raise ValueError(f"{where}: invalid {name} {value!r}; expected a number >= 0.")
+
+
+def _check_lr(where: str, lr: Any) -> None:
+    if callable(lr):
+        return
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(
+            f"{where}: lr must be a float or a callable schedule(count) -> float, got a Tensor. "
+            f"Fix: pass float(lr), or a schedule returning it."
+        )
+    _check_nonneg("learning rate", lr, where)
+
+
+# --------------------------------------------------------------------------
+# building blocks
+# --------------------------------------------------------------------------
+
+
+def identity() -> GradientTransformation:
+    """Pass updates through unchanged (state :class:`EmptyState`)."""
+
+    def init_fn(params: PyTree) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
+    leaves, spec = _flatten(updates)
+    if not leaves:
+        return updates
+    with torch.no_grad():
+        return _unflatten(spec, torch._foreach_mul(leaves, factor))
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply updates by a constant ``step_size`` (state :class:`ScaleState`)."""
+
+    def init_fn(params: PyTree) -> ScaleState:
+        del params
+        return ScaleState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        return _scale_leaves(updates, step_size), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply updates by ``step_size_fn(count)``; ``count`` = updates so far (0 first).
+
+    State :class:`ScaleByScheduleState`.
+    """
+    if not callable(step_size_fn):
+        raise TypeError(f"scale_by_schedule: step_size_fn must be callable, got {type(step_size_fn).__name__}.")
+
+    def init_fn(params: PyTree) -> ScaleByScheduleState:
+        del params
+        return ScaleByScheduleState(count=0)
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        _check_state("scale_by_schedule", state, ScaleByScheduleState)
+        factor = step_size_fn(state.count)
+        return _scale_leaves(updates, factor), ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply updates by ``-lr`` (``+lr`` if ``flip_sign=False``).
+
+    A float gives :func:`scale` (state :class:`ScaleState`); a callable
+    ``schedule(count)`` gives :func:`scale_by_schedule` (state
+    :class:`ScaleByScheduleState`), called with 0 for the first update.
+    """
+    _check_lr("scale_by_learning_rate", learning_rate)
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * float(learning_rate))
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam direction ``m_hat / (sqrt(v_hat) + eps)``, computed exactly as torch does.
+
+    ``m <- lerp(m, g, 1 - b1)``; ``v <- b2 * v + (1 - b2) * g * g``;
+    ``out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps)`` with ``bc_i = 1 - b_i ** count``
+    and ``count`` the step number (1 on the first update), as in
+    ``torch.optim.Adam``. State :class:`ScaleByAdamState`; ``mu``/``nu`` have the
+    params' structure, shapes and dtypes.
+    """
+    where = "scale_by_adam"
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"{where}: invalid beta1 {b1!r}; expected 0 <= beta1 < 1.")
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"{where}: invalid beta2 {b2!r}; expected 0 <= beta2 < 1.")
+    _check_nonneg("eps", eps, where)
+
+    def init_fn(params: PyTree) -> ScaleByAdamState:
+        mu = _zeros_like_tree(where, params)
+        nu = _zeros_like_tree(where, params)
+        return ScaleByAdamState(count=0, mu=mu, nu=nu)
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        _check_state(where, state, ScaleByAdamState)
+        g, spec = _flatten(updates)
+        mu, mu_spec = _flatten(state.mu)
+        nu, _ = _flatten(state.nu)
+        _check_match(where, "updates", updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
+        count = state.count + 1
+        if not g:
+            return updates, ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
+        with torch.no_grad():
+            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
+            bias_correction1 = 1.0 - b1**count
+            bias_correction2_sqrt = (1.0 - b2**count) ** 0.5
+            denom = torch._foreach_sqrt(nu)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            out = torch._foreach_div(mu, denom)
+            del denom
+            torch._foreach_div_(out, bias_correction1)
+        return _unflatten(spec, out), ScaleByAdamState(
+            count=count, mu=_unflatten(mu_spec, mu), nu=_unflatten(mu_spec, nu)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """``updates + weight_decay * params`` (needs ``params``; state :class:`AddDecayedWeightsState`).
+
+    Placed before the Adam/momentum statistics this is torch's coupled L2
+    penalty (``g += wd * p``); placed after the direction and before
+    :func:`scale_by_learning_rate` it is AdamW's decoupled decay
+    (``p -= lr * wd * p``).
+    """
+    where = "add_decayed_weights"
+    _check_nonneg("weight_decay", weight_decay, where)
+
+    def init_fn(params: PyTree) -> AddDecayedWeightsState:
+        del params
+        return AddDecayedWeightsState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del extra
+        if weight_decay == 0.0:
+            return updates, state
+        _require_params(where, params)
+        u, spec = _flatten(updates)
+        p, p_spec = _flatten(params)
+        _check_match(where, "updates", updates, u, spec, "params", params, p, p_spec, _FIX_PARAMS)
+        if not u:
+            return updates, state
+        with torch.no_grad():
+            out = torch._foreach_add(u, p, alpha=weight_decay)
+        return _unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+    """Torch-style momentum (``torch.optim.SGD``'s buffer; not optax's ``trace``).
+
+    First step: ``buf = g`` (torch initialises the buffer to the first
+    gradient, undamped); later ``buf = decay * buf + (1 - dampening) * g``.
+    Output ``g + decay * buf`` if ``nesterov`` else ``buf``. State
+    :class:`TraceState`; ``trace`` has the params' structure and shapes.
+    """
+    where = "trace"
+    _check_nonneg("momentum", decay, where)
+    _check_nonneg("dampening", dampening, where)
+    if nesterov and (decay <= 0 or dampening != 0):
+        raise ValueError(f"{where}: nesterov momentum requires a momentum > 0 and zero dampening.")
+
+    def init_fn(params: PyTree) -> TraceState:
+        return TraceState(count=0, trace=_zeros_like_tree(where, params))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        _check_state(where, state, TraceState)
+        g, spec = _flatten(updates)
+        buf, buf_spec = _flatten(state.trace)
+        _check_match(where, "updates", updates, g, spec, "optimizer state", state.trace, buf, buf_spec, _FIX_STATE)
+        if not g:
+            return updates, TraceState(count=state.count + 1, trace=state.trace)
+        with torch.no_grad():
+            if state.count == 0:
+                buf = torch._foreach_add(g, 0)  # a copy, like torch's grad.detach().clone()
+            else:
+                buf = torch._foreach_mul(buf, decay)
+                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+            out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
+        new_state = TraceState(count=state.count + 1, trace=_unflatten(buf_spec, buf))
+        return _unflatten(spec, out), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _resolve_group(mesh: Any) -> Any:
+    """ProcessGroup to reduce over, or ``None`` for no reduction."""
+    if mesh is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+    if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # DeviceMesh
+        return mesh.get_group(mesh.ndim - 1)
+    return mesh  # a ProcessGroup
+
+
+def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransformation:
+    """Scale updates by ``min(1, max_norm / (global_norm + 1e-6))``, as ``clip_grad_norm_``.
+
+    ``global_norm`` is the L2 norm over all leaves of the *full* (unsharded)
+    updates: the local sum of squares (one ``torch._foreach_norm`` call,
+    accumulated in float32, or float64 if any leaf is float64) is summed over
+    ranks with ONE ``torch.distributed.all_reduce`` of a scalar, then square-
+    rooted. Correct because shards are disjoint pieces of the full tensors and
+    padding entries are zero. No host-device synchronisation.
+
+    ``mesh``: a ``DeviceMesh`` (reduce over its last axis, the shard axis), a
+    ``ProcessGroup``, or ``None``: the default group when
+    ``torch.distributed.is_initialized()`` (checked at update time), else no
+    reduction. State :class:`ClipByGlobalNormState` (empty).
+    """
+    where = "clip_by_global_norm"
+    _check_nonneg("max_norm", max_norm, where)
+
+    def init_fn(params: PyTree) -> ClipByGlobalNormState:
+        del params
+        return ClipByGlobalNormState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        leaves, spec = _flatten(updates)
+        if not leaves:
+            return updates, state
+        try:
+            devices = {t.device for t in leaves}
+            acc = torch.float64 if any(t.dtype == torch.float64 for t in leaves) else torch.float32
+        except AttributeError:
+            _check_tensor_leaves(where, "updates", updates, leaves)
+            raise
+        with torch.no_grad():
+            norms = torch._foreach_norm(leaves, 2, dtype=acc)
+            device = leaves[0].device
+            if len(devices) > 1:
+                norms = [n.to(device) for n in norms]
+            sq = torch.stack(norms).square().sum()
+            group = _resolve_group(mesh)
+            if group is not None:
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+            total_norm = sq.sqrt()
+            clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            if len(devices) > 1:
+                out = [u * clip_coef.to(u.device) for u in leaves]
+            else:
+                out = torch._foreach_mul(leaves, clip_coef)
+        return _unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations left to right; state is a tuple of their states."""
+    for i, t in enumerate(transforms):
+        if not (hasattr(t, "init") and hasattr(t, "update")):
+            raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation.")
+
+    def init_fn(params: PyTree) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update_fn(updates, state, params=None, **extra):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
+            raise ValueError(
+                f"chain: expected opt_state as a tuple of {len(transforms)} inner states, got {got}. "
+                f"Fix: pass the state returned by this chain's init() (or by its previous update())."
+            )
+        new_states = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params, **extra)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# named optimizers
+# --------------------------------------------------------------------------
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """``torch.optim.SGD``: ``chain(add_decayed_weights(wd), trace(...), scale_by_learning_rate(lr))``.
+
+    Coupled L2 decay ``g += wd * p`` (needs ``params`` in ``update`` when
+    ``weight_decay != 0``), torch-style momentum buffer (first step ``buf = g``),
+    ``dampening``, ``nesterov``. Without momentum no buffer is kept (the chain
+    has two states instead of three).
+    """
+    _check_lr("sgd", lr)
+    parts = [add_decayed_weights(weight_decay)]
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("sgd: nesterov momentum requires a momentum > 0 and zero dampening.")
+    if momentum != 0.0:
+        parts.append(trace(momentum, dampening, nesterov))
+    else:
+        _check_nonneg("momentum", momentum, "sgd")
+    parts.append(scale_by_learning_rate(lr))
+    return chain(*parts)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> GradientTransformation:
+    """``torch.optim.AdamW`` (same defaults and math).
+
+    ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(wd), scale_by_learning_rate(lr))``:
+    the delta is ``-lr * (adam_direction + wd * p)``, i.e. torch's
+    ``p *= 1 - lr * wd`` on the pre-step param value followed by the Adam step
+    with the same ``lr``. Needs ``params`` in ``update`` when
+    ``weight_decay != 0``. ``amsgrad`` is not supported.
+    """
+    _check_lr("adamw", lr)
+    b1, b2 = betas
+    return chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Return new params ``p + u`` (one ``torch._foreach_add``); inputs are not mutated.
+
+    Updates are cast to each param's dtype. Runs under ``torch.no_grad()``: the
+    results do not require grad.
+    """
+    where = "apply_updates"
+    p, spec = _flatten(params)
+    u, u_spec = _flatten(updates)
+    _check_match(
+        where,
+        "updates",
+        updates,
+        u,
+        u_spec,
+        "params",
+        params,
+        p,
+        spec,
+        "pass the updates returned by tx.update(grads, opt_state, params) for these same params.",
+    )
+    if not p:
+        return params
+    with torch.no_grad():
+        if any(a.dtype != b.dtype for a, b in zip(p, u)):
+            u = [b.to(a.dtype) for a, b in zip(p, u)]
+        new = torch._foreach_add(p, u)
+    return _unflatten(spec, new)

@@ -1,0 +1,296 @@
+"""Multi-rank test harness: run a function on W local CPU ranks under torch.distributed (gloo).
+
+Usage, from a test module in ``tests/``::
+
+    import torch
+    import torch.distributed as dist
+    from multirank import run_ranks, RankError, RankTimeout
+
+    def _sum_of_ranks(scale):                   # module level: pickled by reference
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item() * scale
+
+    def test_sum_of_ranks():
+        assert run_ranks(4, _sum_of_ranks, 2.0) == [12.0] * 4
+
+``run_ranks(world_size, fn, *args, timeout=120.0, **kwargs)`` runs ``fn(*args, **kwargs)`` on every
+rank of a pool of ``world_size`` spawned worker processes and returns ``[rank0_result, ...]``.
+Inside ``fn`` the default process group (gloo, collectives time out after ``GLOO_TIMEOUT`` s)
+spans the pool, so ``dist.get_rank()`` / ``dist.get_world_size()`` / collectives just work.
+``fn``, args, kwargs and results travel by plain pickle (tensors are fine; lambdas and nested
+functions are not: they fail in the caller before anything is sent).
+
+Pools start lazily, one per world size, and are reused for the rest of the session (importing
+torch costs seconds); they are shut down at interpreter exit (``shutdown_pools``).  Failures:
+
+* a rank raises -> ``RankError`` whose message holds every failing rank's formatted traceback.
+  The other ranks get ``GRACE`` seconds to answer (they may be blocked in a collective).
+* a rank dies (``os._exit``, segfault) -> ``RankError`` naming the rank and its exit code.
+* the job runs past ``timeout`` with no rank failing -> ``RankTimeout`` (a ``RankError``).
+
+Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
+the pool is killed and the next call starts a fresh one.  After every job in which all ranks
+answered, an all_reduce on the default group checks that the pool is still in step (no rank left
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
+Worker stdout/stderr go where the parent's went when the pool started (pytest captures them).
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_ranks", "shutdown_pools", "RankError", "RankTimeout"]
+
+GLOO_TIMEOUT = 60.0     # s before a stuck collective raises inside a worker (harness never waits on it)
+STARTUP_TIMEOUT = 120.0  # s for a fresh pool to import torch and rendezvous
+GRACE = 3.0             # s the other ranks get to answer once one rank has failed
+SYNC_TIMEOUT = 10.0     # s for the post-job health check
+
+
+class RankError(RuntimeError):
+    """Some rank raised, died or did not answer; the message tells each such rank's story."""
+
+
+class RankTimeout(RankError):
+    """The job did not finish on every rank within ``timeout`` seconds (and no rank failed)."""
+
+
+# ----------------------------------------------------------------------------- worker side
+def _worker(rank, world_size, port, conn, stack_path):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    stack_file = open(stack_path, "w")  # kept open: faulthandler writes here on SIGUSR1
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    torch.set_num_threads(1)
+    loopback = [n for _, n in socket.if_nameindex() if n.startswith("lo")]
+    if loopback:  # all ranks are local: keep gloo off hostname resolution and real NICs
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
+    try:
+        timeout = timedelta(seconds=GLOO_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        reply = ("ok", os.getpid())
+    except BaseException:
+        reply = ("err", traceback.format_exc())
+    conn.send_bytes(pickle.dumps(reply))
+    while reply[0] == "ok":
+        try:
+            cmd, path, cwd, job = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # parent gone
+            break
+        if cmd == "stop":
+            break
+        try:
+            if cmd == "sync":
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                if t.item() != world_size:
+                    raise RuntimeError(f"health check all_reduce gave {t.item()}, not {world_size}")
+                result = None
+            else:
+                sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
+                os.chdir(cwd)
+                fn, args, kwargs = pickle.loads(job)
+                result = fn(*args, **kwargs)
+            out = pickle.dumps(("ok", result))
+        except BaseException:
+            out = pickle.dumps(("err", traceback.format_exc()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            conn.send_bytes(out)
+        except OSError:
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- parent side
+class _Pool:
+    def __init__(self, world_size):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.tmpdir = tempfile.TemporaryDirectory(prefix=f"multirank{world_size}-")
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.procs, self.conns = [], []
+        for r in range(world_size):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_worker, name=f"multirank-w{world_size}-rank{r}", daemon=True,
+                            args=(r, world_size, self.store.port, there, self._stack_path(r)))
+            p.start()
+            there.close()
+            self.procs.append(p)
+            self.conns.append(here)
+        replies, dead, missing = self.collect(STARTUP_TIMEOUT)
+        if dead or missing or any(s != "ok" for s, _ in replies.values()):
+            self.kill()
+            raise RankError(_report(f"starting a pool of {world_size} ranks failed", world_size,
+                                    replies, dead, missing, {}))
+        self.pids = [replies[r][1] for r in range(world_size)]
+
+    def _stack_path(self, rank):
+        return os.path.join(self.tmpdir.name, f"rank{rank}.stack")
+
+    def send(self, cmd, job=None):
+        msg = pickle.dumps((cmd, list(sys.path), os.getcwd(), job))
+        for c in self.conns:
+            try:
+                c.send_bytes(msg)
+            except OSError:  # a dead worker: collect() will notice
+                pass
+
+    def collect(self, timeout):
+        """Wait for one reply per rank -> (replies {rank: (status, value)}, dead {rank: exitcode},
+        missing [ranks]).  Once a rank fails, the others get at most GRACE more seconds."""
+        deadline, grace_end = time.monotonic() + timeout, None
+        replies, dead, pending = {}, {}, set(range(self.world_size))
+        while pending:
+            if grace_end is None and (dead or any(s != "ok" for s, _ in replies.values())):
+                grace_end = time.monotonic() + GRACE
+            left = min(deadline, grace_end or deadline) - time.monotonic()
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending],
+                         timeout=max(left, 0))
+            if not ready:
+                break
+            for r in sorted(pending):
+                conn, proc = self.conns[r], self.procs[r]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                pending.discard(r)
+                try:
+                    data = conn.recv_bytes() if conn.poll() else None
+                except (EOFError, OSError):
+                    data = None
+                if data is None:
+                    proc.join(1.0)
+                    dead[r] = proc.exitcode
+                    continue
+                try:
+                    replies[r] = pickle.loads(data)
+                except Exception:
+                    replies[r] = ("err", "the result could not be unpickled in the parent:\n"
+                                  + traceback.format_exc())
+        return replies, dead, sorted(pending)
+
+    def dump_stacks(self, ranks):
+        """Python stacks of live ranks ``ranks`` (faulthandler, SIGUSR1) -> {rank: text}."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        stacks = {}
+        for r in ranks:
+            with open(self._stack_path(r)) as f:
+                stacks[r] = f.read().strip() or "(no stack dump)"
+        return stacks
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self._reap(5.0)
+
+    def close(self):
+        self.send("stop")
+        self._reap(5.0)
+
+    def _reap(self, timeout):
+        end = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(end - time.monotonic(), 0))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+        self.tmpdir.cleanup()
+        self.store = None
+
+
+def _report(header, world_size, replies, dead, missing, stacks):
+    parts = [header]
+    for r in range(world_size):
+        if r in replies and replies[r][0] != "ok":
+            parts.append(f"--- rank {r} raised:\n{replies[r][1].rstrip()}")
+        elif r in dead:
+            code = dead[r]
+            how = f" (signal {signal.Signals(-code).name})" if code is not None and code < 0 else ""
+            parts.append(f"--- rank {r} died with exit code {code}{how}")
+        elif r in missing:
+            parts.append(f"--- rank {r} did not answer (killed); its stack was:\n{stacks.get(r, '?')}")
+    return "\n".join(parts)
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def shutdown_pools():
+    """Stop every pool (registered with atexit; harmless to call at any time)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+atexit.register(shutdown_pools)
+
+
+def run_ranks(world_size, fn, *args, timeout=120.0, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ranks 0..world_size-1; return the list of their results."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    job = pickle.dumps((fn, args, kwargs))  # unpicklable fn/args fail here, pool untouched
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = _Pool(world_size)  # raises RankError (pool killed) on failure
+    start = time.monotonic()
+    stacks, unsynced = {}, None
+    try:
+        pool.send("run", job)
+        replies, dead, missing = pool.collect(timeout)
+        if missing:
+            stacks = pool.dump_stacks(missing)
+        elif not dead:  # everyone answered: is the default group still usable and in step?
+            pool.send("sync")
+            unsynced = pool.collect(SYNC_TIMEOUT)
+            if unsynced[1] or unsynced[2] or any(s != "ok" for s, _ in unsynced[0].values()):
+                stacks = pool.dump_stacks(unsynced[2]) if unsynced[2] else {}
+            else:
+                unsynced = None
+    except BaseException:  # e.g. KeyboardInterrupt or pytest-timeout mid-job: state unknown
+        _pools.pop(world_size).kill()
+        raise
+    discarded = bool(dead or missing or unsynced)
+    if discarded:
+        _pools.pop(world_size).kill()
+    elapsed = time.monotonic() - start
+    where = f"{name} on {world_size} rank(s)"
+    note = "; pool killed" if discarded else ""
+    bad = sorted([r for r, (s, _) in replies.items() if s != "ok"] + list(dead))
+    if bad:
+        also = f"; ranks {missing} did not answer" if missing else ""
+        raise RankError(_report(f"{where} failed on ranks {bad}{also}{note}",
+                                world_size, replies, dead, missing, stacks))
+    if missing:
+        raise RankTimeout(_report(
+            f"{where} timed out after {elapsed:.1f} s (timeout={timeout}): ranks {missing} did not "
+            f"answer (stalled collective? deadlock?){note}", world_size, replies, dead, missing, stacks))
+    if unsynced:
+        raise RankError(_report(
+            f"{where} returned on every rank, but the post-job health check (an all_reduce on the "
+            f"default group) failed: mismatched collectives or destroyed default group?{note}",
+            world_size, *unsynced, stacks))
+    return [replies[r][1] for r in range(world_size)]
