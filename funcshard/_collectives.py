@@ -184,6 +184,12 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
 # ---- bucketed per-group collectives (one collective per group and dtype) ------------------------
 
 
+def _free(buffers) -> None:
+    """Release communication buffers whose collective has completed."""
+    for b in buffers:
+        b.untyped_storage().resize_(0)
+
+
 class Buckets:
     """The layout of one group's shards: one flat bucket per dtype, parameters at fixed offsets."""
 
@@ -199,12 +205,13 @@ class Buckets:
 
 
 class PendingGather:
-    """All-gathers in flight for one group; ``finish()`` waits and copies out into the padded tensors."""
+    """All-gathers in flight for one group; ``finish(targets)`` waits and copies out into the padded tensors
+    (allocated by the caller only then, so a prefetched group holds just its all-gather buffer)."""
 
-    def __init__(self, layout: Buckets, outs, works, targets):
-        self.layout, self.outs, self.works, self.targets = layout, outs, works, targets
+    def __init__(self, layout: Buckets, outs, works):
+        self.layout, self.outs, self.works = layout, outs, works
 
-    def finish(self) -> None:
+    def finish(self, targets: Sequence[torch.Tensor]) -> None:
         lay = self.layout
         dsts, srcs = [], []
         for (dt, ix), out, work in zip(lay.buckets, self.outs, self.works):
@@ -212,18 +219,17 @@ class PendingGather:
             chunks = out.view(lay.world, -1).split(lay.numels[dt], dim=1)
             for i, c in zip(ix, chunks):
                 spec = lay.specs[i]
-                dsts.append(spec.split_view(self.targets[i]))
+                dsts.append(spec.split_view(targets[i]))
                 srcs.append(c.view(lay.world, *spec.local_shape))
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
+        _free(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
 
 
-def start_gather(
-    layout: Buckets, shards: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], group, rank: int
-) -> PendingGather:
+def start_gather(layout: Buckets, shards: Sequence[torch.Tensor], group, rank: int) -> PendingGather:
     """Copy the group's local shards into one flat buffer per dtype (one copy each) and issue the
-    all-gathers (async). ``targets`` are the padded full tensors that ``finish()`` fills."""
+    all-gathers (async)."""
     outs, works = [], []
     with torch.no_grad():
         for dt, ix in layout.buckets:
@@ -233,7 +239,7 @@ def start_gather(
             torch.cat([shards[i].reshape(-1) for i in ix], out=inp)
             outs.append(out)
             works.append(all_gather_into(out, inp, group))
-    return PendingGather(layout, outs, works, targets)
+    return PendingGather(layout, outs, works)
 
 
 def reduce_scatter_grads(
@@ -275,9 +281,10 @@ def reduce_scatter_grads(
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
             out = torch.empty(n, dtype=dt, device=device)
-            pending.append((dt, ix, out, reduce_scatter_into(out, inp.view(-1), group)))
-        for dt, ix, out, work in pending:
+            pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp.view(-1), group)))
+        for dt, ix, inp, out, work in pending:
             work.wait()
+            _free([inp])
             if divide != 1.0:
                 out.div_(divide)
             for i, piece in zip(ix, out.split(layout.numels[dt])):

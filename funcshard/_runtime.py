@@ -85,15 +85,7 @@ class Step:
         if gr.status is not _Status.SHARDED:
             return
         with no_functorch(), torch.no_grad():
-            if gr.padded is None:
-                specs = gr.layout.specs
-                gr.padded = [
-                    torch.empty(s.padded_shape, dtype=s.dtype, device=sh.device) for s, sh in zip(specs, gr.shards)
-                ]
-            else:
-                for t in gr.padded:
-                    t.untyped_storage().resize_(t.numel() * t.element_size())
-            gr.pending = start_gather(gr.layout, gr.shards, gr.padded, self.pg, self.rank)
+            gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
         gr.status = _Status.GATHERING
 
     def wait(self, name: str) -> None:
@@ -101,9 +93,16 @@ class Step:
         if gr.status is _Status.SHARDED:
             self.unshard(name)
         if gr.status is _Status.GATHERING:
-            # Refilling tensors autograd saved for backward: their version must not change.
-            with no_functorch(), torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded)):
-                gr.pending.finish()
+            with no_functorch(), torch.no_grad():
+                if gr.padded is None:
+                    gr.padded = [torch.empty(s.padded_shape, dtype=s.dtype, device=sh.device)
+                                 for s, sh in zip(gr.layout.specs, gr.shards)]
+                else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
+                    for t in gr.padded:
+                        t.untyped_storage().resize_(t.numel() * t.element_size())
+                # Refilling tensors autograd saved for backward: their version must not change.
+                with torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded)):
+                    gr.pending.finish(gr.padded)
             gr.pending = None
             gr.status = _Status.GATHERED
 

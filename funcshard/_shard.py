@@ -88,7 +88,7 @@ class _Gather(torch.autograd.Function):
         with no_functorch():
             shards = [raw(s) for s in shards]
             targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
-            start_gather(layout, shards, targets, pg, rank).finish()
+            start_gather(layout, shards, pg, rank).finish(targets)
         return tuple(s.unpad(t) for s, t in zip(layout.specs, targets))
 
     @staticmethod

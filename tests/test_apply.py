@@ -1,0 +1,329 @@
+"""Functional FSDP training: apply() parity, schedule, memory, purity, checkpointing, bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+import funcshard
+from funcshard import ShardingError, optim
+from models import GPT, MLP, Block, GPTBlock
+from multirank import run_ranks
+from test_foundation import CollectiveCounter
+
+STEPS = 10
+
+
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _batches(n, global_batch, d_in, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, d_in, generator=g), torch.randn(global_batch, 3, generator=g)) for _ in range(n)]
+
+
+def _local(t):
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def _reference(model, batches, loss_fn, lr=1e-2):
+    """Single process, global batch, torch.optim.AdamW."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _train(plan, batches, loss_fn, mode, lr=1e-2):
+    """funcshard: local batches, funcshard.optim.adamw; mode 'grad' (torch.func) or 'backward' (autograd)."""
+    state = funcshard.shard(plan)
+    tx = optim.adamw(lr=lr, weight_decay=0.1)
+    opt_state = tx.init(state)
+    losses = []
+
+    def local_loss(s, x, y):
+        return loss_fn(funcshard.apply(plan, s, x), y)
+
+    for x, y in batches:
+        x, y = _local(x), _local(y)
+        if mode == "grad":
+            grads, loss = torch.func.grad_and_value(local_loss)(state, x, y)
+        else:
+            leaves = {k: v.detach().requires_grad_() for k, v in state.items()}
+            loss = local_loss(leaves, x, y)
+            loss.backward()
+            grads = {k: v.grad for k, v in leaves.items()}
+        updates, opt_state = tx.update(grads, opt_state, state)
+        state = optim.apply_updates(state, updates)
+        losses.append((funcshard.all_reduce(loss.detach()) / dist.get_world_size()).item())
+    return losses, funcshard.gather(plan, state)
+
+
+def _compare(ref, got, tol):
+    (rl, rp), (gl, gp) = ref, got
+    torch.testing.assert_close(torch.tensor(gl), torch.tensor(rl), atol=tol, rtol=tol)
+    for k, v in rp.items():
+        torch.testing.assert_close(gp[k], v, atol=tol, rtol=tol, msg=lambda m: f"{k}: {m}")
+
+
+def _parity_matrix():
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    batches = _batches(STEPS, 8, 7)
+    ref = _reference(model, batches, F.mse_loss)
+    done = []
+    for reshard in (True, False):
+        for depth in (0, 1, 2):
+            plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard, prefetch=depth)
+            for mode in ("grad", "backward"):
+                _compare(ref, _train(plan, batches, F.mse_loss, mode), 1e-5)
+                done.append((reshard, depth, mode))
+    return done
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_parity_with_single_process(world):
+    """10 steps, losses and final parameters within 1e-5 of one process on the global batch."""
+    assert len(run_ranks(world, _parity_matrix)[0]) == 12
+
+
+def _gpt_parity(tied, use_checkpoint):
+    torch.manual_seed(1)
+    model = GPT(vocab=32, d=16, heads=2, layers=3, seq=8, tied=tied)
+    if use_checkpoint == "inside":  # checkpoint the MLP inside each group
+        for b in model.blocks:
+            mlp = b.mlp
+            b.mlp = _Checkpointed(mlp)
+    elif use_checkpoint == "around":  # checkpoint each whole group from its parent
+        model.blocks = nn.ModuleList(_Checkpointed(b) for b in model.blocks)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(5)]
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    ref = _reference(model, batches, loss_fn)
+    group_cls = _Checkpointed if use_checkpoint == "around" else GPTBlock
+    plan = funcshard.plan(model, _mesh(), groups=(group_cls,))
+    modes = ("backward",) if use_checkpoint else ("grad", "backward")
+    for mode in modes:
+        _compare(ref, _train(plan, batches, loss_fn, mode), 1e-5)
+    return len(plan.groups)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("tied,ckpt", [(False, None), (True, None), (False, "inside"), (True, "around")])
+def test_gpt_parity_tied_and_checkpointed(tied, ckpt):
+    assert run_ranks(2, _gpt_parity, tied, ckpt) == [4, 4]
+
+
+# ---- the schedule is data: the runtime issues what the plan prints ------------------------------
+
+
+def _issued_vs_printed(depth, reshard):
+    torch.manual_seed(0)
+    model = MLP(layers=4)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,), prefetch=depth, reshard_after_forward=reshard)
+    state = funcshard.shard(plan)
+    x = torch.randn(2, 7)
+    with CollectiveCounter() as cc:
+        torch.func.grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+    numel = {g.name: sum(plan.specs[p].local_numel for p in g.params) * plan.world for g in plan.groups}
+    printed = []
+    for op in plan.collective_order():
+        kind, _, rest = op.partition(" ")
+        if kind in ("all-gather", "reduce-scatter"):
+            name = rest.split(" ")[0].rstrip(",")
+            printed.append((kind.replace("-", "_"), numel["" if name == "<root>" else name]))
+    issued = [(k, n) for k, _, n in cc.calls]
+    return issued, printed
+
+
+@pytest.mark.parametrize("depth,reshard", [(0, None), (1, None), (2, None), (1, False), (1, True)])
+def test_collectives_follow_the_printed_plan(depth, reshard):
+    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard)[0]
+    assert sorted(issued) == sorted(printed)  # same collectives, same sizes
+    assert [k for k, _ in issued] == [k for k, _ in printed]  # same order of kinds
+    # one all-gather per group per step, plus one more for each group gathered again in backward
+    assert sum(k == "reduce_scatter" for k, _ in issued) == 5
+
+
+# ---- memory: at most (depth + 1) groups unsharded, measured by torch's MemTracker --------------
+
+
+LAYERS = 16
+
+
+class Wide(nn.Module):
+    def __init__(self, d, layers):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d, bias=False), nn.Tanh()) for _ in range(layers))
+        self.out = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _memory(depth, reshard):
+    from memtrack import PeakBytes
+
+    torch.manual_seed(0)
+    d, layers = 256, LAYERS
+    model = Wide(d, layers)
+    plan = funcshard.plan(model, _mesh(), groups=(nn.Sequential,), prefetch=depth, reshard_after_forward=reshard)
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    x = torch.randn(1, d)
+    funcshard.apply(plan, state, x).sum().backward()  # warm up
+    for v in state.values():
+        v.grad = None
+    ignore = [*state.values(), x]  # count what the step allocates, not the inputs
+    with PeakBytes(ignore) as fwd:
+        out = funcshard.apply(plan, state, x)
+    del out
+    with PeakBytes(ignore) as step:
+        funcshard.apply(plan, state, x).sum().backward()
+    fwd_peak, step_peak = fwd.peak, step.peak
+    block = d * d * 4
+    full = sum(p.numel() * 4 for p in model.parameters())
+    sharded = sum(v.numel() * 4 for v in state.values())
+    return fwd_peak, step_peak, block, full, sharded
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_peak_parameter_memory_bound(depth):
+    fwd_peak, step_peak, block, full, sharded = run_ranks(4, _memory, depth, True)[0]
+    root = 256 * 4
+    slack = 64 * 1024  # activations and small tensors (batch of one)
+    # Unsharded memory is (depth + 1) groups: a group's padded parameters plus the all-gather buffers of
+    # the groups being prefetched. At depth 0 the all-gather buffer of the group being copied out is the
+    # second block (FSDP2 has the same transient copy-out buffer).
+    groups_live = max(depth + 1, 2)
+    assert fwd_peak <= groups_live * block + root + slack, (fwd_peak, block)
+    # Backward adds one group's full gradients and its reduce-scatter input, plus the sharded gradients;
+    # and gloo's reduce-scatter clones its input internally (one more block; NCCL does not).
+    assert step_peak <= groups_live * block + root + 3 * block + sharded + slack, (step_peak, block)
+    assert sharded + fwd_peak < full / 2  # far below the unsharded model
+    if depth:
+        assert fwd_peak > depth * block  # prefetching really holds the next group
+
+
+def test_peak_memory_grows_with_depth_and_without_reshard():
+    peaks = [run_ranks(4, _memory, depth, True)[0][0] for depth in (0, 2)]
+    kept = run_ranks(4, _memory, 0, False)[0][0]
+    block = 256 * 256 * 4
+    assert peaks[1] - peaks[0] >= block - 1024  # depth 2 holds 3 blocks, depth 0 two (one transient)
+    assert kept >= LAYERS * block  # reshard_after_forward=False keeps every group
+
+
+# ---- purity, jvp, errors -----------------------------------------------------------------------
+
+
+def _purity():
+    torch.manual_seed(0)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params_before = list(model.parameters())
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    snap = {k: v.clone() for k, v in state.items()}
+    x = torch.randn(4, 7)
+    outs = [funcshard.apply(plan, state, x) for _ in range(2)]
+    grads = [torch.func.grad(lambda s: funcshard.apply(plan, s, x).sum())(state) for _ in range(2)]
+    return (
+        torch.equal(outs[0], outs[1])
+        and all(torch.equal(grads[0][k], grads[1][k]) for k in state)
+        and all(torch.equal(snap[k], state[k]) for k in state)
+        and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        and all(a is b for a, b in zip(params_before, model.parameters()))
+        and all(type(p) is nn.Parameter for p in model.parameters())
+        and set(grads[0]) == set(state)
+        and all(grads[0][k].shape == state[k].shape for k in state)
+    )
+
+
+def test_apply_is_pure():
+    assert run_ranks(2, _purity) == [True, True]
+
+
+def _vjp_and_jvp():
+    torch.manual_seed(0)
+    model = MLP()
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    x = torch.randn(4, 7)
+    out, vjp_fn = torch.func.vjp(lambda s: funcshard.apply(plan, s, x), state)
+    (g,) = vjp_fn(torch.ones_like(out))
+    ref = torch.func.grad(lambda s: funcshard.apply(plan, s, x).sum())(state)
+    ok = all(torch.allclose(g[k], ref[k]) for k in state)
+    try:
+        torch.func.jvp(lambda s: funcshard.apply(plan, s, x), (state,), ({k: torch.ones_like(v) for k, v in state.items()},))
+        msg = "no error"
+    except NotImplementedError as e:
+        msg = str(e)
+    return ok, msg
+
+
+def test_vjp_and_clear_jvp_error():
+    ok, msg = run_ranks(2, _vjp_and_jvp)[0]
+    assert ok
+    assert "does not support forward-mode AD (torch.func.jvp) yet" in msg
+
+
+def _apply_errors():
+    model = MLP()
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    snap = {k: v.clone() for k, v in state.items()}
+    x = torch.randn(2, 7)
+    msgs = []
+    for bad in (
+        {k: v for k, v in state.items() if k != "blocks.1.l2.bias"},
+        {**state, "blocks.0.l1.weight": torch.zeros(3, 3)},
+        funcshard.shard(funcshard.plan(model, _mesh(), shard_placement_fn=lambda n, p: p.dim() - 1)),
+        [1, 2],
+    ):
+        try:
+            funcshard.apply(plan, bad, x)
+            msgs.append("no error")
+        except ShardingError as e:
+            msgs.append(str(e))
+    unchanged = all(torch.equal(snap[k], state[k]) for k in state)
+    return msgs, unchanged
+
+
+def test_apply_bad_state():
+    msgs, unchanged = run_ranks(2, _apply_errors)[0]
+    assert unchanged
+    patterns = [
+        r"blocks\.1\.l2\.bias: missing",
+        r"blocks\.0\.l1\.weight: local shard \(3, 3\) torch\.float32, the plan expects \(10, 6\)",
+        r"inp\.weight: local shard \(6, 4\) torch\.float32, the plan expects \(3, 7\)[\s\S]*another plan",
+        r"state must be a dict of local shards \(what funcshard\.shard returns\), got list",
+    ]
+    for msg, pattern in zip(msgs, patterns):
+        with pytest.raises(ShardingError, match=pattern):
+            raise ShardingError(msg)
