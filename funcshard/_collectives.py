@@ -242,6 +242,16 @@ def start_gather(layout: Buckets, shards: Sequence[torch.Tensor], group, rank: i
     return PendingGather(layout, outs, works)
 
 
+def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
+    """All-gather a group's shard tangents (or shards) into new full tensors: the forward-mode rule."""
+    with no_functorch(), torch.no_grad():
+        shards = [torch.zeros(s.local_shape, dtype=s.dtype) if t is None else raw(t)
+                  for s, t in zip(layout.specs, tangents)]
+        targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
+        start_gather(layout, shards, group, rank).finish(targets)
+    return tuple(s.unpad(t) for s, t in zip(layout.specs, targets))
+
+
 def reduce_scatter_grads(
     layout: Buckets, grads: Sequence[torch.Tensor | None], group, divide: float
 ) -> list[torch.Tensor]:

@@ -22,7 +22,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from funcshard._collectives import Buckets, PendingGather, no_functorch, raw, reduce_scatter_grads, start_gather
+from funcshard._collectives import (
+    Buckets,
+    PendingGather,
+    gather_tangents,
+    no_functorch,
+    raw,
+    reduce_scatter_grads,
+    start_gather,
+)
 from funcshard._plan import ROOT, Group, Plan
 
 _hook_state = threading.local()
@@ -279,10 +287,8 @@ class _GroupGather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _step, _name, *tangents):
-        raise NotImplementedError(
-            "funcshard.apply does not support forward-mode AD (torch.func.jvp) yet; use funcshard.gather, "
-            "whose tangent rule is the gather of the tangents, or reverse mode (grad / vjp)"
-        )
+        # The tangent of a gather is the gather of the tangents (forward mode keeps nothing for later).
+        return gather_tangents(ctx.step.groups[ctx.name].layout, tangents, ctx.step.pg, ctx.step.rank)
 
 
 class _PreBackward(torch.autograd.Function):

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from funcshard._collectives import Buckets, no_functorch, raw, reduce_scatter_grads, start_gather
+from funcshard._collectives import Buckets, gather_tangents, no_functorch, raw, reduce_scatter_grads
 from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
 from funcshard._spec import ShardingError
 
@@ -85,11 +85,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(layout: Buckets, pg, rank: int, *shards: torch.Tensor):
-        with no_functorch():
-            shards = [raw(s) for s in shards]
-            targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
-            start_gather(layout, shards, pg, rank).finish(targets)
-        return tuple(s.unpad(t) for s, t in zip(layout.specs, targets))
+        return gather_tangents(layout, shards, pg, rank)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -103,7 +99,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _layout, _pg, _rank, *tangents):
-        return _Gather.apply(ctx.layout, ctx.pg, ctx.rank, *tangents)
+        return gather_tangents(ctx.layout, tangents, ctx.pg, ctx.rank)
 
     @staticmethod
     def vmap(info, in_dims, *args):
