@@ -245,7 +245,8 @@ def start_gather(layout: Buckets, shards: Sequence[torch.Tensor], group, rank: i
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
     """All-gather a group's shard tangents (or shards) into new full tensors: the forward-mode rule."""
     with no_functorch(), torch.no_grad():
-        shards = [torch.zeros(s.local_shape, dtype=s.dtype) if t is None else raw(t)
+        device = next(t.device for t in tangents if t is not None)
+        shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
         targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
         start_gather(layout, shards, group, rank).finish(targets)
@@ -253,7 +254,7 @@ def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], gr
 
 
 def reduce_scatter_grads(
-    layout: Buckets, grads: Sequence[torch.Tensor | None], group, divide: float
+    layout: Buckets, grads: Sequence[torch.Tensor | None], group, divide: float, device: torch.device
 ) -> list[torch.Tensor]:
     """Reduce-scatter (sum) a group's full gradients, one collective per dtype, divide once by ``divide``,
     and return each parameter's local gradient shard (views into one flat buffer per dtype)."""
@@ -264,7 +265,6 @@ def reduce_scatter_grads(
             if not (dt.is_floating_point or dt.is_complex):
                 continue  # integer parameters have no gradient
             n = sum(layout.numels[dt])
-            device = next((g.device for g in grads if g is not None), None) or torch.device("cpu")
             alloc = torch.zeros if layout.has_padding[dt] else torch.empty
             inp = alloc((layout.world, n), dtype=dt, device=device)
             chunks = inp.split(layout.numels[dt], dim=1)

@@ -196,7 +196,7 @@ class Step:
         gr = self.groups[name]
         with no_functorch():
             out = reduce_scatter_grads(gr.layout, [None if g is None else raw(g) for g in grads], self.pg,
-                                       self.plan.divide_factor)
+                                       self.plan.divide_factor, gr.shards[0].device)
         if not gr.frozen:  # frozen parameters may still be read by backward ops that do not reach here
             self.reshard(name)
         return out

@@ -90,11 +90,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.layout, ctx.pg, ctx.rank = inputs[0], inputs[1], inputs[2]
+        ctx.device = inputs[3].device
 
     @staticmethod
     def backward(ctx, *grads):
         with no_functorch():
-            out = reduce_scatter_grads(ctx.layout, [None if g is None else raw(g) for g in grads], ctx.pg, 1.0)
+            out = reduce_scatter_grads(ctx.layout, [None if g is None else raw(g) for g in grads], ctx.pg, 1.0,
+                                       ctx.device)
         return (None, None, None, *out)
 
     @staticmethod

@@ -94,7 +94,8 @@ def train(args) -> None:
     mesh = init_device_mesh(device.type, (world,))
     plan = funcshard.plan(model, mesh, groups=(Block,), prefetch=1)
     state = funcshard.shard(plan)
-    tx = optim.chain(optim.clip_by_global_norm(1.0, mesh=mesh), optim.adamw(lr=3e-3, weight_decay=0.01))
+    warmup = lambda step: 3e-3 * min(1.0, (step + 1) / 10)  # noqa: E731 - a schedule is a function of the step
+    tx = optim.chain(optim.clip_by_global_norm(1.0, mesh=mesh), optim.adamw(lr=warmup, weight_decay=0.01))
     opt_state = tx.init(state)
 
     def loss_fn(s, x, y):
@@ -155,7 +156,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (default 2)")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
