@@ -128,8 +128,10 @@ class Plan:
         ops: list[str] = []
         gathered: set[str] = set()
 
+        empty = {g.name for g in self.groups if not g.params}
+
         def ag(name: str, why: str) -> None:
-            if name not in gathered:
+            if name not in gathered and name not in empty:
                 gathered.add(name)
                 ops.append(f"all-gather {_label(name)}{why}")
 
@@ -137,7 +139,7 @@ class Plan:
             ag(g.name, "")
             for p in self.prefetch_after(g.name):
                 ag(p, f" (prefetch, while {_label(g.name)} computes)")
-            if g.reshard_after_forward and not g.is_root:
+            if g.reshard_after_forward and not g.is_root and g.name not in empty:
                 gathered.discard(g.name)
                 ops.append(f"free {_label(g.name)}")
         root = self.groups[0]
@@ -149,10 +151,11 @@ class Plan:
             ag(g.name, "" if g.is_root else " (before its backward)")
             for p in self.prefetch_after(g.name, backward=True):
                 ag(p, f" (prefetch, while {_label(g.name)} computes)")
-            if not g.is_root:
+            if not g.is_root and g.name not in empty:
                 ops.append(f"reduce-scatter {_label(g.name)}, free it")
                 gathered.discard(g.name)
-        ops.append(f"reduce-scatter {_label(root.name)}, free it")
+        if root.name not in empty:
+            ops.append(f"reduce-scatter {_label(root.name)}, free it")
         return ops
 
     def __str__(self) -> str:

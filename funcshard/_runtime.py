@@ -8,14 +8,13 @@ Autograd nodes per group:
 - ``_GroupGather``: shards -> unsharded parameters. Its backward is the group's post-backward: one
   reduce-scatter per dtype of the parameters' gradients, divided once by ``plan.divide_factor``; then the
   unsharded parameters are freed.
-- ``_PreBackward``: identity on the group's forward outputs. Its backward runs before any backward op of the
-  group: it gathers the group again (if it was resharded) and issues the backward prefetches.
+- a gradient hook on the group's forward outputs: it fires before any backward op of the group, gathers
+  the group again (if it was resharded) and issues the backward prefetches.
 """
 
 from __future__ import annotations
 
 import enum
-import threading
 from typing import Any
 
 import torch
@@ -32,9 +31,6 @@ from funcshard._collectives import (
     start_gather,
 )
 from funcshard._plan import ROOT, Group, Plan
-
-_hook_state = threading.local()
-
 
 class _Status(enum.Enum):
     SHARDED = "sharded"
@@ -85,12 +81,16 @@ class Step:
         layouts = _layouts(plan)
         self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], state) for g in plan.groups}
         self.backward_started = False
+        self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
     def unshard(self, name: str) -> None:
         """Issue the group's all-gather (async) unless it is gathered or in flight."""
         gr = self.groups[name]
         if gr.status is not _Status.SHARDED:
+            return
+        if not gr.shards:  # e.g. a root group when every parameter is in a child group
+            gr.padded, gr.views, gr.status = [], (), _Status.GATHERED
             return
         with no_functorch(), torch.no_grad():
             gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
@@ -159,7 +159,8 @@ class Step:
         self.wait(name)
         self.prefetch(name, backward=False)
         state = self.state
-        gr.views = _GroupGather.apply(self, name, *[state[p] for p in gr.group.params])
+        if gr.shards:
+            gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
         return gr.views
 
     def post_forward(self, name: str, output: Any) -> Any:
@@ -170,17 +171,19 @@ class Step:
         return self.wrap_for_backward(name, output)
 
     def wrap_for_backward(self, name: str, output: Any) -> Any:
+        """Hook the group's outputs so the group is gathered again before its backward runs.
+
+        A gradient hook on the outputs (not an autograd.Function: under torch.func each Function call pays
+        a pytree flatten and a generated class) fires once the first output gradient is ready, which is
+        before any backward op of the group."""
         if not torch.is_grad_enabled():
             return output
-        leaves, spec = pytree.tree_flatten(output)
-        idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()
-               and x.requires_grad]
-        if not idx:
-            return output
-        wrapped = _PreBackward.apply(self, name, *[leaves[i] for i in idx])
-        for i, w in zip(idx, wrapped):
-            leaves[i] = w
-        return pytree.tree_unflatten(leaves, spec)
+        tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._pre_backward_hooks[name])
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[name], mode="any")
+        return output
 
     # ---- backward --------------------------------------------------------------------------------
     def pre_backward(self, name: str) -> None:
@@ -217,9 +220,11 @@ class Step:
                 handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
         root = self.groups[ROOT]
         try:
-            views = self.gather_for_forward(ROOT)
-            params = {p: v for p, v in zip(root.group.params, views)}
-            out = torch.func.functional_call(plan.module, params, args, kwargs, strict=False)
+            # functional_call semantics, with the aliases of tied parameters resolved once by the plan
+            # (torch.func.functional_call scans the whole module for ties on every call).
+            self.gather_for_forward(ROOT)
+            self.swap_in(ROOT)
+            out = plan.module(*args, **kwargs)
         finally:
             for h in handles:
                 h.remove()
@@ -228,6 +233,13 @@ class Step:
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
         return self.wrap_for_backward(ROOT, out)
+
+
+def _pre_backward_hook(step: Step, name: str):
+    def hook(_grad):
+        step.pre_backward(name)  # returns None: the gradient passes unchanged
+
+    return hook
 
 
 def _make_pre_hook(step: Step, name: str):
@@ -280,6 +292,7 @@ class _GroupGather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.step, ctx.name = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)  # None: the parameter got no gradient (reduce-scattered as zeros)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -291,22 +304,24 @@ class _GroupGather(torch.autograd.Function):
         return gather_tangents(ctx.step.groups[ctx.name].layout, tangents, ctx.step.pg, ctx.step.rank)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a group's outputs; its backward gathers the group again before the group's backward."""
+def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """The same Function with ``forward(ctx, ...)``: under plain autograd it skips the per-call
+    ``inspect.signature`` that new-style Functions (needed by torch.func) pay."""
 
-    @staticmethod
-    def forward(step: Step, name: str, *xs: torch.Tensor):
-        return tuple(x.view_as(x) for x in xs)
+    def forward(ctx, *inputs):
+        out = fn.forward(*inputs)
+        fn.setup_context(ctx, inputs, out)
+        return out
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.step, ctx.name = inputs[0], inputs[1]
+    return type(f"{fn.__name__}Eager", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(fn.backward)})
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.step.pre_backward(ctx.name)
-        return (None, None, *grads)
 
-    @staticmethod
-    def jvp(ctx, _step, _name, *tangents):
-        return tangents
+_EAGER = {fn: _old_style(fn) for fn in (_GroupGather,)}
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
+def _call(fn: type[torch.autograd.Function], *args):
+    if _functorch_level() is None:
+        return _EAGER[fn].apply(*args)
+    return fn.apply(*args)

@@ -142,10 +142,13 @@ def test_gpt_parity_tied_and_checkpointed(tied, ckpt):
 # ---- the schedule is data: the runtime issues what the plan prints ------------------------------
 
 
-def _issued_vs_printed(depth, reshard):
+def _issued_vs_printed(depth, reshard, model_kind="mlp"):
     torch.manual_seed(0)
-    model = MLP(layers=4)
-    plan = funcshard.plan(model, _mesh(), groups=(Block,), prefetch=depth, reshard_after_forward=reshard)
+    if model_kind == "mlp":
+        model, groups = MLP(layers=4), (Block,)
+    else:  # every parameter in a child group: the root group is empty
+        model, groups = nn.Sequential(*[nn.Linear(7, 7) for _ in range(5)], nn.Linear(7, 3)), (nn.Linear,)
+    plan = funcshard.plan(model, _mesh(), groups=groups, prefetch=depth, reshard_after_forward=reshard)
     state = funcshard.shard(plan)
     x = torch.randn(2, 7)
     with CollectiveCounter() as cc:
@@ -158,16 +161,24 @@ def _issued_vs_printed(depth, reshard):
             name = rest.split(" ")[0].rstrip(",")
             printed.append((kind.replace("-", "_"), numel["" if name == "<root>" else name]))
     issued = [(k, n) for k, _, n in cc.calls]
+    full = funcshard.gather(plan, state)
+    ref = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().sum())(full)
+    got = torch.func.grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+    for k, spec in plan.specs.items():
+        torch.testing.assert_close(got[k], spec.local_shard(ref[k], dist.get_rank()))  # same x on all ranks
     return issued, printed
 
 
-@pytest.mark.parametrize("depth,reshard", [(0, None), (1, None), (2, None), (1, False), (1, True)])
-def test_collectives_follow_the_printed_plan(depth, reshard):
-    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard)[0]
+@pytest.mark.parametrize(
+    "depth,reshard,kind", [(0, None, "mlp"), (1, None, "mlp"), (2, None, "mlp"), (1, False, "mlp"), (1, True, "mlp"),
+                           (1, None, "no-root")]
+)
+def test_collectives_follow_the_printed_plan(depth, reshard, kind):
+    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard, kind)[0]
     assert sorted(issued) == sorted(printed)  # same collectives, same sizes
     assert [k for k, _ in issued] == [k for k, _ in printed]  # same order of kinds
-    # one all-gather per group per step, plus one more for each group gathered again in backward
-    assert sum(k == "reduce_scatter" for k, _ in issued) == 5
+    # one reduce-scatter per group per step (5 non-empty groups in both models)
+    assert sum(k == "reduce_scatter" for k, _ in issued) == (5 if kind == "mlp" else 6)
 
 
 # ---- memory: at most (depth + 1) groups unsharded, measured by torch's MemTracker --------------
