@@ -57,7 +57,9 @@ class _GroupRuntime:
         self.fwd_started = 0
         self.fwd_done = 0
         self.swapped = False
-        self.frozen = not all(plan.specs[p].requires_grad for p in group.params)
+        # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
+        # the group's reduce-scatter, so it is freed only at the end of backward.
+        self.frozen = not all(state[p].requires_grad for p in group.params)
 
 
 def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -311,6 +313,10 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
     def forward(ctx, *inputs):
         out = fn.forward(*inputs)
         fn.setup_context(ctx, inputs, out)
+        # outputs of shards that take no gradient get none computed (FSDP2 skips frozen gradients too)
+        frozen = [o for o, i in zip(out, inputs[2:]) if isinstance(i, torch.Tensor) and not i.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
         return out
 
     return type(f"{fn.__name__}Eager", (torch.autograd.Function,),

@@ -340,3 +340,27 @@ def test_apply_bad_state():
     for msg, pattern in zip(msgs, patterns):
         with pytest.raises(ShardingError, match=pattern):
             raise ShardingError(msg)
+
+
+def _frozen_shards():
+    """Plain autograd with some shards not requiring grad: one whole group, part of another."""
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    frozen = {k for k in plan.specs if k.startswith("blocks.1.") or k == "blocks.2.l1.weight" or k == "inp.bias"}
+    state = {k: v.requires_grad_(k not in frozen) for k, v in funcshard.shard(plan).items()}
+    x = torch.randn(8, 7)
+    xl = _local(x)
+    funcshard.apply(plan, state, xl).square().mean().backward()
+    full = {k: v.detach().clone().requires_grad_(k not in frozen) for k, v in funcshard.gather(plan, state).items()}
+    torch.func.functional_call(model, full, (x,)).square().mean().backward()
+    for k, v in state.items():
+        if k in frozen:
+            assert v.grad is None, k
+        else:
+            torch.testing.assert_close(v.grad, plan.specs[k].local_shard(full[k].grad, dist.get_rank()))
+    return True
+
+
+def test_frozen_shards_under_autograd():
+    assert run_ranks(2, _frozen_shards) == [True, True]
