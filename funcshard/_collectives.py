@@ -13,6 +13,7 @@ gloo, the collective runs on gloo's threads while Python continues, and ``wait()
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -191,28 +192,63 @@ def _free(buffers) -> None:
 
 
 class Buckets:
-    """The layout of one group's shards: one flat bucket per dtype, parameters at fixed offsets."""
+    """The layout of one group's shards: one flat bucket per dtype, parameters at fixed offsets.
+
+    Per-parameter layout: a bucket is the concatenation of the parameters' (equal-size) local shards; its
+    all-gather output ``(world, n)`` is copied out into each parameter's padded tensor ("targets").
+    Flat layout: a bucket is the group's flat buffer; the all-gather output is the parameters themselves.
+    """
 
     def __init__(self, specs: Sequence[ShardSpec]):
         self.specs = tuple(specs)
         self.world = specs[0].world if specs else 1
+        self.flat = bool(specs) and specs[0].flat is not None
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, s in enumerate(self.specs):
             by_dtype.setdefault(s.dtype, []).append(i)
         self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
-        self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
+        if self.flat:  # every rank's slice of the flat buffer has the same length, padding at the end
+            self.chunk = {dt: math.ceil(self.specs[ix[0]].flat.total / self.world) for dt, ix in self.buckets}
+            self.has_padding = {dt: self.chunk[dt] * self.world != self.specs[ix[0]].flat.total
+                                for dt, ix in self.buckets}
+        else:
+            self.chunk = {dt: sum(self.numels[dt]) for dt, _ in self.buckets}
+            self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
+
+    def new_buffers(self, device) -> list[torch.Tensor]:
+        """The raw unsharded storage: per-parameter padded tensors, or one flat buffer per dtype."""
+        if self.flat:
+            return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
+        return [torch.empty(s.padded_shape, dtype=s.dtype, device=device) for s in self.specs]
+
+    def views(self, buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameters as views of the raw buffers."""
+        if not self.flat:
+            return tuple(s.unpad(t) for s, t in zip(self.specs, buffers))
+        out: list[torch.Tensor | None] = [None] * len(self.specs)
+        for (dt, ix), buf in zip(self.buckets, buffers):
+            for i in ix:
+                s = self.specs[i]
+                out[i] = buf[s.flat.offset : s.flat.offset + s.numel].view(s.shape)
+        return tuple(out)  # type: ignore[arg-type]
 
 
 class PendingGather:
     """All-gathers in flight for one group; ``finish(targets)`` waits and copies out into the padded tensors
-    (allocated by the caller only then, so a prefetched group holds just its all-gather buffer)."""
+    (allocated by the caller only then, so a prefetched group holds just its all-gather buffer). In the flat
+    layout the all-gather output is already the parameters: nothing to copy."""
 
     def __init__(self, layout: Buckets, outs, works):
         self.layout, self.outs, self.works = layout, outs, works
 
-    def finish(self, targets: Sequence[torch.Tensor]) -> None:
+    def finish(self, targets: Sequence[torch.Tensor] | None) -> None:
         lay = self.layout
+        if lay.flat:
+            for work in self.works:
+                work.wait()
+            self.outs = self.works = None
+            return
         dsts, srcs = [], []
         for (dt, ix), out, work in zip(lay.buckets, self.outs, self.works):
             work.wait()
@@ -227,19 +263,24 @@ class PendingGather:
         self.outs = self.works = None
 
 
-def start_gather(layout: Buckets, shards: Sequence[torch.Tensor], group, rank: int) -> PendingGather:
+def start_gather(
+    layout: Buckets, shards: Sequence[torch.Tensor], group, rank: int, outs: Sequence[torch.Tensor] | None = None
+) -> PendingGather:
     """Copy the group's local shards into one flat buffer per dtype (one copy each) and issue the
-    all-gathers (async)."""
-    outs, works = [], []
+    all-gathers (async). ``outs``: the flat layout's (preallocated) unsharded buffers to gather into."""
+    works, bufs = [], []
     with torch.no_grad():
-        for dt, ix in layout.buckets:
-            n = sum(layout.numels[dt])
-            out = torch.empty(layout.world * n, dtype=dt, device=shards[ix[0]].device)
+        for k, (dt, ix) in enumerate(layout.buckets):
+            n = layout.chunk[dt]
+            out = outs[k] if outs is not None else torch.empty(layout.world * n, dtype=dt, device=shards[ix[0]].device)
             inp = out.narrow(0, rank * n, n)
-            torch.cat([shards[i].reshape(-1) for i in ix], out=inp)
-            outs.append(out)
+            valid = sum(layout.numels[dt])
+            torch.cat([shards[i].reshape(-1) for i in ix], out=inp.narrow(0, 0, valid))
+            if valid < n:
+                inp.narrow(0, valid, n - valid).zero_()
+            bufs.append(out)
             works.append(all_gather_into(out, inp, group))
-    return PendingGather(layout, outs, works)
+    return PendingGather(layout, bufs, works)
 
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
@@ -248,9 +289,25 @@ def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], gr
         device = next(t.device for t in tangents if t is not None)
         shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
-        targets = [torch.empty(s.padded_shape, dtype=s.dtype, device=x.device) for s, x in zip(layout.specs, shards)]
-        start_gather(layout, shards, group, rank).finish(targets)
-    return tuple(s.unpad(t) for s, t in zip(layout.specs, targets))
+        targets = layout.new_buffers(device)
+        start_gather(layout, shards, group, rank, outs=targets if layout.flat else None).finish(targets)
+    return layout.views(targets)
+
+
+def _per_param_grad_copies(spec: ShardSpec, dst: torch.Tensor, g: torch.Tensor, dsts: list, srcs: list) -> None:
+    """Copies that lay a full gradient out as ``dst`` ``(world, *local_shape)``; padding stays zero."""
+    g = g.reshape(spec.sharded_shape)
+    full_rows = spec.size // spec.chunk if spec.chunk else 0
+    d = spec.dim
+    if full_rows:  # ranks whose shard is all real data
+        shp = list(spec.sharded_shape)
+        shp[d : d + 1] = [full_rows, spec.chunk]
+        dsts.append(dst.narrow(0, 0, full_rows))
+        srcs.append(g.narrow(d, 0, full_rows * spec.chunk).reshape(shp).movedim(d, 0))
+    rem = spec.size - full_rows * spec.chunk
+    if rem:  # the one rank whose shard is partly padding
+        dsts.append(dst.select(0, full_rows).narrow(d, 0, rem))
+        srcs.append(g.narrow(d, full_rows * spec.chunk, rem))
 
 
 def reduce_scatter_grads(
@@ -260,43 +317,44 @@ def reduce_scatter_grads(
     and return each parameter's local gradient shard (views into one flat buffer per dtype)."""
     result: list[torch.Tensor | None] = [None] * len(layout.specs)
     pending = []
+    world = layout.world
     with torch.no_grad():
         for dt, ix in layout.buckets:
             if not (dt.is_floating_point or dt.is_complex):
                 continue  # integer parameters have no gradient
-            n = sum(layout.numels[dt])
-            alloc = torch.zeros if layout.has_padding[dt] else torch.empty
-            inp = alloc((layout.world, n), dtype=dt, device=device)
-            chunks = inp.split(layout.numels[dt], dim=1)
+            n = layout.chunk[dt]
+            missing = any(grads[i] is None for i in ix)
+            alloc = torch.zeros if layout.has_padding[dt] or missing else torch.empty
+            inp = alloc(world * n, dtype=dt, device=device)
             dsts, srcs = [], []
-            for i, c in zip(ix, chunks):
-                spec, g = layout.specs[i], grads[i]
-                dst = c.view(layout.world, *spec.local_shape)
-                if g is None:
-                    if alloc is torch.empty:
-                        dst.zero_()
-                    continue
-                g = g.reshape(spec.sharded_shape)
-                full_rows = spec.size // spec.chunk if spec.chunk else 0
-                if full_rows:  # ranks whose shard is all real data
-                    d = spec.dim
-                    shp = list(spec.sharded_shape)
-                    shp[d : d + 1] = [full_rows, spec.chunk]
-                    dsts.append(dst.narrow(0, 0, full_rows))
-                    srcs.append(g.narrow(d, 0, full_rows * spec.chunk).reshape(shp).movedim(d, 0))
-                rem = spec.size - full_rows * spec.chunk
-                if rem:  # the one rank whose shard is partly padding
-                    dsts.append(dst.select(0, full_rows).narrow(spec.dim, 0, rem))
-                    srcs.append(g.narrow(spec.dim, full_rows * spec.chunk, rem))
+            if layout.flat:
+                for i in ix:
+                    spec, g = layout.specs[i], grads[i]
+                    if g is not None:
+                        dsts.append(inp[spec.flat.offset : spec.flat.offset + spec.numel].view(spec.shape))
+                        srcs.append(g)
+            else:
+                for i, c in zip(ix, inp.view(world, n).split(layout.numels[dt], dim=1)):
+                    if grads[i] is not None:
+                        spec = layout.specs[i]
+                        _per_param_grad_copies(spec, c.view(world, *spec.local_shape), grads[i], dsts, srcs)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
             out = torch.empty(n, dtype=dt, device=device)
-            pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp.view(-1), group)))
+            pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group)))
         for dt, ix, inp, out, work in pending:
             work.wait()
             _free([inp])
             if divide != 1.0:
                 out.div_(divide)
-            for i, piece in zip(ix, out.split(layout.numels[dt])):
-                result[i] = piece.view(layout.specs[i].local_shape)
+            if layout.flat:
+                rank_start = layout.specs[ix[0]].flat.rank * layout.chunk[dt]
+                for i in ix:
+                    s = layout.specs[i]
+                    start, length = s.flat.piece(s.numel, world, s.flat.rank)
+                    at = s.flat.offset + start - rank_start
+                    result[i] = out[at : at + length]
+            else:
+                for i, piece in zip(ix, out.split(layout.numels[dt])):
+                    result[i] = piece.view(layout.specs[i].local_shape)
     return result  # type: ignore[return-value]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from funcshard._spec import ShardingError, ShardSpec
+from funcshard._spec import FlatSlot, ShardingError, ShardSpec
 
 __all__ = ["Group", "Plan", "plan"]
 
@@ -75,6 +75,7 @@ class Plan:
     forward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     backward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     grad_divide_factor: float | None = None
+    layout: str = "per_param"
 
     # ---- derived facts -------------------------------------------------------------------------
     @property
@@ -163,7 +164,7 @@ class Plan:
             f"Plan over {self.mesh} (shard axis {self.shard_axis}, {self.world} shards), "
             f"{len(self.specs)} parameters in {len(self.groups)} groups; "
             f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
-            f"gradients divided by {self.divide_factor:g} after reduce-scatter",
+            f"gradients divided by {self.divide_factor:g} after reduce-scatter; layout {self.layout}",
         ]
         for g in self.groups:
             nbytes = sum(_nbytes(self.specs[p]) for p in g.params)
@@ -183,7 +184,7 @@ def _label(name: str) -> str:
 
 
 def _nbytes(spec: ShardSpec) -> int:
-    return math.prod(spec.padded_shape) * spec.dtype.itemsize
+    return (spec.numel if spec.flat else math.prod(spec.padded_shape)) * spec.dtype.itemsize
 
 
 # ---- building a plan ---------------------------------------------------------------------------
@@ -209,6 +210,7 @@ def plan(
     forward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
     backward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
     grad_divide_factor: float | None = None,
+    layout: str = "per_param",
 ) -> Plan:
     """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
 
@@ -230,6 +232,12 @@ def plan(
         backward_prefetch: backward prefetch depth (default: ``prefetch``).
         forward_prefetch_lists / backward_prefetch_lists: explicit prefetch lists, group name -> names.
         grad_divide_factor: divide the summed gradients by this (default: the mesh size, i.e. average).
+        layout: ``"per_param"`` (default): every parameter is sharded on its own dim, each rank's shard a
+            regular tensor (DTensor ``Shard(dim)``-compatible, what ``fully_shard`` and DCP checkpoints
+            use); all-gathered group buffers are copied out into the parameters. ``"flat"``: each group's
+            parameters of one dtype form one flat buffer split evenly over the ranks, so the all-gathered
+            buffer *is* the parameters (no copy-out, no transient second copy of the group); local shards
+            are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
     """
     mesh = _resolve_mesh(mesh)
     shard_axis = mesh.ndim - 1
@@ -274,6 +282,15 @@ def plan(
     root_rsf = False if reshard_after_forward is None else bool(reshard_after_forward)
     other_rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
     group_list = _make_groups(module, groups, named, root_rsf, other_rsf)
+    if layout == "flat":
+        if shard_placement_fn is not None:
+            raise ShardingError(
+                'layout="flat" shards each group as one flat buffer, so shard_placement_fn has no dims to '
+                'pick; drop it, or use layout="per_param"'
+            )
+        specs = _flat_specs(specs, group_list, mesh.get_local_rank(shard_axis))
+    elif layout != "per_param":
+        raise ShardingError(f'layout must be "per_param" or "flat", got {layout!r}')
     result = Plan(
         module=module,
         mesh=mesh,
@@ -285,9 +302,26 @@ def plan(
         forward_prefetch_lists={k: tuple(v) for k, v in (forward_prefetch_lists or {}).items()},
         backward_prefetch_lists={k: tuple(v) for k, v in (backward_prefetch_lists or {}).items()},
         grad_divide_factor=grad_divide_factor,
+        layout=layout,
     )
     _check_schedule(result)
     return result
+
+
+def _flat_specs(specs: dict[str, ShardSpec], groups: Sequence[Group], rank: int) -> dict[str, ShardSpec]:
+    """Give every parameter its slot in its group's flat buffer (one buffer per group and dtype)."""
+    out = dict(specs)
+    for g in groups:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for p in g.params:
+            by_dtype.setdefault(specs[p].dtype, []).append(p)
+        for names in by_dtype.values():
+            total = sum(specs[p].numel for p in names)
+            offset = 0
+            for p in names:
+                out[p] = dataclasses.replace(specs[p], dim=0, flat=FlatSlot(offset, total, rank))
+                offset += specs[p].numel
+    return out
 
 
 def _mesh_str(mesh: DeviceMesh) -> str:

@@ -42,7 +42,7 @@ class _GroupRuntime:
     """One group's buffers and state within a step."""
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
-                 "fwd_started", "fwd_done", "swapped", "frozen")
+                 "fwd_started", "fwd_done", "swapped", "frozen", "versions")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
         self.group = group
@@ -57,6 +57,7 @@ class _GroupRuntime:
         self.fwd_started = 0
         self.fwd_done = 0
         self.swapped = False
+        self.versions = None
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
         # the group's reduce-scatter, so it is freed only at the end of backward.
         self.frozen = not all(state[p].requires_grad for p in group.params)
@@ -95,8 +96,24 @@ class Step:
             gr.padded, gr.views, gr.status = [], (), _Status.GATHERED
             return
         with no_functorch(), torch.no_grad():
-            gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
+            if gr.layout.flat:  # the all-gather writes straight into the parameters' storage
+                self._allocate(gr)
+                # Autograd may have saved views of these buffers: hide the refill from its version check.
+                # The collective may bump the version from its own thread until waited, so the versions are
+                # restored after the wait, in wait().
+                gr.versions = torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded))
+                gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank, outs=gr.padded)
+            else:
+                gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
         gr.status = _Status.GATHERING
+
+    @staticmethod
+    def _allocate(gr: _GroupRuntime) -> None:
+        if gr.padded is None:
+            gr.padded = gr.layout.new_buffers(gr.shards[0].device)
+        else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
+            for t in gr.padded:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
 
     def wait(self, name: str) -> None:
         gr = self.groups[name]
@@ -104,15 +121,14 @@ class Step:
             self.unshard(name)
         if gr.status is _Status.GATHERING:
             with no_functorch(), torch.no_grad():
-                if gr.padded is None:
-                    gr.padded = [torch.empty(s.padded_shape, dtype=s.dtype, device=sh.device)
-                                 for s, sh in zip(gr.layout.specs, gr.shards)]
-                else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
-                    for t in gr.padded:
-                        t.untyped_storage().resize_(t.numel() * t.element_size())
+                if not gr.layout.flat:
+                    self._allocate(gr)
                 # Refilling tensors autograd saved for backward: their version must not change.
                 with torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded)):
                     gr.pending.finish(gr.padded)
+                if gr.versions is not None:
+                    gr.versions.__exit__(None, None, None)
+                    gr.versions = None
             gr.pending = None
             gr.status = _Status.GATHERED
 
@@ -289,7 +305,7 @@ class _GroupGather(torch.autograd.Function):
     def forward(step: Step, name: str, *shards: torch.Tensor):
         gr = step.groups[name]
         step.wait(name)
-        return tuple(s.unpad(t) for s, t in zip(gr.layout.specs, gr.padded))
+        return gr.layout.views(gr.padded)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -16,7 +16,30 @@ import math
 
 import torch
 
-__all__ = ["ShardSpec", "ShardingError"]
+__all__ = ["FlatSlot", "ShardSpec", "ShardingError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatSlot:
+    """Where a parameter lives in its group's flat buffer (``layout="flat"``).
+
+    A group's parameters of one dtype are concatenated (flattened, in group order) into one buffer of
+    ``total`` elements, padded to ``world * ceil(total / world)``; rank ``r`` holds the contiguous slice
+    ``[r * chunk, (r + 1) * chunk)`` of it. The all-gathered buffer then *is* the parameters (each a view),
+    so there is no copy-out; each parameter's local shard is its (possibly empty) piece of this rank's
+    slice, which differs in size between ranks.
+    """
+
+    offset: int
+    total: int
+    rank: int
+
+    def piece(self, numel: int, world: int, rank: int) -> tuple[int, int]:
+        """(start within the flattened parameter, length) of the parameter's piece on ``rank``."""
+        chunk = math.ceil(self.total / world)
+        lo = max(self.offset, rank * chunk)
+        hi = min(self.offset + numel, (rank + 1) * chunk)
+        return lo - self.offset, max(0, hi - lo)
 
 
 class ShardingError(ValueError):
@@ -46,6 +69,11 @@ class ShardSpec:
     world: int
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()
+    flat: FlatSlot | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def sharded_shape(self) -> tuple[int, ...]:
@@ -74,6 +102,9 @@ class ShardSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        """This rank's shard shape (the same on every rank, except in the flat layout)."""
+        if self.flat is not None:
+            return (self.flat.piece(self.numel, self.world, self.flat.rank)[1],)
         s = list(self.sharded_shape)
         s[self.dim] = self.chunk
         return tuple(s)
@@ -103,6 +134,9 @@ class ShardSpec:
 
     def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s padded shard of the full tensor, as a new contiguous tensor."""
+        if self.flat is not None:
+            start, n = self.flat.piece(self.numel, self.world, rank)
+            return full.reshape(-1)[start : start + n].clone()
         full = full.reshape(self.sharded_shape)
         out = full.new_zeros(self.local_shape)
         n = self.local_valid(rank)
@@ -111,6 +145,11 @@ class ShardSpec:
         return out
 
     def describe(self) -> str:
+        if self.flat is not None:
+            start, n = self.flat.piece(self.numel, self.world, self.flat.rank)
+            return (f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} flat "
+                    f"[{self.flat.offset}, {self.flat.offset + self.numel}) of {self.flat.total} over axis "
+                    f"{self.axis} -> local ({n},) on rank {self.flat.rank}")
         pad = f" pad {self.padding}" if self.padding else ""
         tied = f" tied {list(self.aliases[1:])}" if len(self.aliases) > 1 else ""
         frozen = "" if self.requires_grad else " frozen"

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import funcshard
 from funcshard import ShardingError, optim
+from funcshard._collectives import Buckets
 from models import GPT, MLP, Block, GPTBlock
 from multirank import run_ranks
 from test_foundation import CollectiveCounter
@@ -86,19 +87,22 @@ def _parity_matrix():
     batches = _batches(STEPS, 8, 7)
     ref = _reference(model, batches, F.mse_loss)
     done = []
-    for reshard in (True, False):
-        for depth in (0, 1, 2):
-            plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard, prefetch=depth)
-            for mode in ("grad", "backward"):
-                _compare(ref, _train(plan, batches, F.mse_loss, mode), 1e-5)
-                done.append((reshard, depth, mode))
+    for layout in ("per_param", "flat"):
+        for reshard in (True, False):
+            for depth in (0, 1, 2):
+                plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard, prefetch=depth,
+                                      layout=layout)
+                for mode in ("grad", "backward"):
+                    _compare(ref, _train(plan, batches, F.mse_loss, mode), 1e-5)
+                    done.append((layout, reshard, depth, mode))
     return done
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_with_single_process(world):
-    """10 steps, losses and final parameters within 1e-5 of one process on the global batch."""
-    assert len(run_ranks(world, _parity_matrix)[0]) == 12
+    """10 steps, losses and final parameters within 1e-5 of one process on the global batch, for both
+    layouts, reshard after forward or not, prefetch depth 0/1/2, torch.func.grad and loss.backward()."""
+    assert len(run_ranks(world, _parity_matrix)[0]) == 24
 
 
 def _gpt_parity(tied, use_checkpoint):
@@ -142,18 +146,19 @@ def test_gpt_parity_tied_and_checkpointed(tied, ckpt):
 # ---- the schedule is data: the runtime issues what the plan prints ------------------------------
 
 
-def _issued_vs_printed(depth, reshard, model_kind="mlp"):
+def _issued_vs_printed(depth, reshard, model_kind="mlp", layout="per_param"):
     torch.manual_seed(0)
     if model_kind == "mlp":
         model, groups = MLP(layers=4), (Block,)
     else:  # every parameter in a child group: the root group is empty
         model, groups = nn.Sequential(*[nn.Linear(7, 7) for _ in range(5)], nn.Linear(7, 3)), (nn.Linear,)
-    plan = funcshard.plan(model, _mesh(), groups=groups, prefetch=depth, reshard_after_forward=reshard)
+    plan = funcshard.plan(model, _mesh(), groups=groups, prefetch=depth, reshard_after_forward=reshard, layout=layout)
     state = funcshard.shard(plan)
     x = torch.randn(2, 7)
     with CollectiveCounter() as cc:
         torch.func.grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
-    numel = {g.name: sum(plan.specs[p].local_numel for p in g.params) * plan.world for g in plan.groups}
+    numel = {g.name: sum(b.chunk[dt] for dt, _ in b.buckets) * plan.world
+             for g, b in ((g, Buckets([plan.specs[p] for p in g.params])) for g in plan.groups)}
     printed = []
     for op in plan.collective_order():
         kind, _, rest = op.partition(" ")
@@ -170,11 +175,13 @@ def _issued_vs_printed(depth, reshard, model_kind="mlp"):
 
 
 @pytest.mark.parametrize(
-    "depth,reshard,kind", [(0, None, "mlp"), (1, None, "mlp"), (2, None, "mlp"), (1, False, "mlp"), (1, True, "mlp"),
-                           (1, None, "no-root")]
+    "depth,reshard,kind,layout", [(0, None, "mlp", "per_param"), (1, None, "mlp", "per_param"),
+                                  (2, None, "mlp", "per_param"), (1, False, "mlp", "per_param"),
+                                  (1, True, "mlp", "per_param"), (1, None, "no-root", "per_param"),
+                                  (1, None, "mlp", "flat"), (0, True, "no-root", "flat")]
 )
-def test_collectives_follow_the_printed_plan(depth, reshard, kind):
-    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard, kind)[0]
+def test_collectives_follow_the_printed_plan(depth, reshard, kind, layout):
+    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard, kind, layout)[0]
     assert sorted(issued) == sorted(printed)  # same collectives, same sizes
     assert [k for k, _ in issued] == [k for k, _ in printed]  # same order of kinds
     # one reduce-scatter per group per step (5 non-empty groups in both models)
@@ -199,13 +206,14 @@ class Wide(nn.Module):
         return self.out(x)
 
 
-def _memory(depth, reshard):
+def _memory(depth, reshard, layout="per_param"):
     from memtrack import PeakBytes
 
     torch.manual_seed(0)
     d, layers = 256, LAYERS
     model = Wide(d, layers)
-    plan = funcshard.plan(model, _mesh(), groups=(nn.Sequential,), prefetch=depth, reshard_after_forward=reshard)
+    plan = funcshard.plan(model, _mesh(), groups=(nn.Sequential,), prefetch=depth, reshard_after_forward=reshard,
+                          layout=layout)
     state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
     x = torch.randn(1, d)
     funcshard.apply(plan, state, x).sum().backward()  # warm up
@@ -240,6 +248,15 @@ def test_peak_parameter_memory_bound(depth):
     assert sharded + fwd_peak < full / 2  # far below the unsharded model
     if depth:
         assert fwd_peak > depth * block  # prefetching really holds the next group
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_flat_layout_meets_the_strict_bound(depth):
+    """With the flat layout the all-gather output is the parameters: exactly (depth + 1) groups."""
+    fwd_peak, step_peak, block, full, sharded = run_ranks(4, _memory, depth, True, "flat")[0]
+    slack = 64 * 1024
+    assert fwd_peak <= (depth + 1) * block + 256 * 4 + slack, (fwd_peak, block)
+    assert sharded + fwd_peak < full / 2
 
 
 def test_peak_memory_grows_with_depth_and_without_reshard():

@@ -88,21 +88,25 @@ def test_spec_local_shards_reassemble(shape, world, dim_seed):
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i64": torch.int64}
 
 
-def _roundtrip(param_specs, buffers, dims, group_prefixes, seed):
+def _roundtrip(param_specs, buffers, dims, group_prefixes, seed, layout="per_param"):
     torch.manual_seed(seed)
     specs = [(p, tuple(s), DTYPES[d]) for p, s, d in param_specs]
     model = Leafy(specs, [(b, tuple(s)) for b, s in buffers])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dim_of = dict(zip([p for p, _, _ in specs], dims))
-    plan = funcshard.plan(
-        model, _mesh(), groups=group_prefixes or None,
-        shard_placement_fn=lambda fqn, p: dim_of[fqn] % max(p.dim(), 1),
-    )
+    placement = (lambda fqn, p: dim_of[fqn] % max(p.dim(), 1)) if layout == "per_param" else None
+    plan = funcshard.plan(model, _mesh(), groups=group_prefixes or None, shard_placement_fn=placement, layout=layout)
     world, rank = dist.get_world_size(), dist.get_rank()
     state = funcshard.shard(plan)
     # about 1/W of the bytes, plus padding
     for k, s in plan.specs.items():
-        assert state[k].numel() == math.ceil(s.size / world) * (max(math.prod(s.shape), 1) // max(s.size, 1))
+        if layout == "per_param":
+            assert state[k].numel() == math.ceil(s.size / world) * (max(math.prod(s.shape), 1) // max(s.size, 1))
+    if layout == "flat":  # every rank's pieces together are each flattened parameter, exactly once
+        pieces = [None] * world
+        dist.all_gather_object(pieces, {k: v for k, v in state.items()})
+        for k, v in model.named_parameters():
+            assert torch.equal(torch.cat([pieces[r][k] for r in range(world)]), v.detach().reshape(-1)), k
     with CollectiveCounter() as cc:
         full = funcshard.gather(plan, state)
     n_buckets = sum(len({plan.specs[p].dtype for p in g.params}) for g in plan.groups if g.params)
@@ -156,12 +160,13 @@ def module_trees(draw):
     return params, buffers, dims, groups
 
 
+@pytest.mark.parametrize("layout", ["per_param", "flat"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @given(tree=module_trees(), seed=st.integers(0, 2**16))
 @SETTINGS
-def test_gather_of_shard_is_identity(world, tree, seed):
+def test_gather_of_shard_is_identity(world, layout, tree, seed):
     params, buffers, dims, groups = tree
-    assert run_ranks(world, _roundtrip, params, buffers, dims, groups, seed) == [True] * world
+    assert run_ranks(world, _roundtrip, params, buffers, dims, groups, seed, layout) == [True] * world
 
 
 # ---- plans ---------------------------------------------------------------------------------------
