@@ -24,17 +24,18 @@ from funcshard._spec import ShardSpec
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce"]
 
-# torch 2.13 renamed the tensor collectives; keep working on older releases.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the tensor collectives; keep working on older releases. Looked up on every call, so
+# that tools which wrap torch.distributed's functions (collective counters, tracers) see ours.
+_AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    return _all_gather_single(out, inp, group=group, async_op=async_op)
+    return getattr(dist, _AG_NAME)(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return getattr(dist, _RS_NAME)(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -146,13 +146,18 @@ def test_gpt_parity_tied_and_checkpointed(tied, ckpt):
 # ---- the schedule is data: the runtime issues what the plan prints ------------------------------
 
 
-def _issued_vs_printed(depth, reshard, model_kind="mlp", layout="per_param"):
+def _issued_vs_printed(depth, reshard, model_kind="mlp", layout="per_param", lists=False):
     torch.manual_seed(0)
-    if model_kind == "mlp":
+    if model_kind == "mlp":  # blocks of different sizes: each collective's size names its group
         model, groups = MLP(layers=4), (Block,)
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = Block(6, hidden=5 + 3 * i)
     else:  # every parameter in a child group: the root group is empty
         model, groups = nn.Sequential(*[nn.Linear(7, 7) for _ in range(5)], nn.Linear(7, 3)), (nn.Linear,)
     plan = funcshard.plan(model, _mesh(), groups=groups, prefetch=depth, reshard_after_forward=reshard, layout=layout)
+    if lists:  # explicit prefetch lists replace the depth-based default for the groups they name
+        plan = plan.replace(forward_prefetch_lists={"": ("blocks.0", "blocks.1"), "blocks.1": ("blocks.3",)},
+                            backward_prefetch_lists={"blocks.3": ("blocks.1",), "blocks.1": ()})
     state = funcshard.shard(plan)
     x = torch.randn(2, 7)
     with CollectiveCounter() as cc:
@@ -165,7 +170,7 @@ def _issued_vs_printed(depth, reshard, model_kind="mlp", layout="per_param"):
         if kind in ("all-gather", "reduce-scatter"):
             name = rest.split(" ")[0].rstrip(",")
             printed.append((kind.replace("-", "_"), numel["" if name == "<root>" else name]))
-    issued = [(k, n) for k, _, n in cc.calls]
+    issued = [(k, n) for k, _, n in cc.calls if k != "all_reduce"]
     full = funcshard.gather(plan, state)
     ref = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().sum())(full)
     got = torch.func.grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
@@ -178,12 +183,14 @@ def _issued_vs_printed(depth, reshard, model_kind="mlp", layout="per_param"):
     "depth,reshard,kind,layout", [(0, None, "mlp", "per_param"), (1, None, "mlp", "per_param"),
                                   (2, None, "mlp", "per_param"), (1, False, "mlp", "per_param"),
                                   (1, True, "mlp", "per_param"), (1, None, "no-root", "per_param"),
-                                  (1, None, "mlp", "flat"), (0, True, "no-root", "flat")]
+                                  (1, None, "mlp", "flat"), (0, True, "no-root", "flat"),
+                                  (0, None, "mlp", "lists"), (1, True, "mlp", "lists")]
 )
 def test_collectives_follow_the_printed_plan(depth, reshard, kind, layout):
-    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard, kind, layout)[0]
-    assert sorted(issued) == sorted(printed)  # same collectives, same sizes
-    assert [k for k, _ in issued] == [k for k, _ in printed]  # same order of kinds
+    lists = layout == "lists"
+    layout = "per_param" if lists else layout
+    issued, printed = run_ranks(2, _issued_vs_printed, depth, reshard, kind, layout, lists)[0]
+    assert issued == printed  # the same collectives of the same groups in the same order
     # one reduce-scatter per group per step (5 non-empty groups in both models)
     assert sum(k == "reduce_scatter" for k, _ in issued) == (5 if kind == "mlp" else 6)
 

@@ -26,28 +26,29 @@ def _mesh():
 
 
 class CollectiveCounter:
-    """Wraps the process-group calls funcshard makes, counting them per kind and dtype."""
+    """Wraps torch.distributed's tensor collectives (what every caller goes through), counting them."""
 
     def __init__(self):
         self.calls: list[tuple[str, torch.dtype, int]] = []
-        self._saved = (_collectives._all_gather_single, _collectives._reduce_scatter_single)
+        self._names = [(_collectives._AG_NAME, "all_gather"), (_collectives._RS_NAME, "reduce_scatter"),
+                       ("all_reduce", "all_reduce")]
+        self._saved = {name: getattr(dist, name) for name, _ in self._names}
 
     def __enter__(self):
-        ag, rs = self._saved
+        for name, kind in self._names:
+            orig = self._saved[name]
 
-        def counted_ag(out, inp, *a, **k):
-            self.calls.append(("all_gather", out.dtype, out.numel()))
-            return ag(out, inp, *a, **k)
+            def counted(*args, _orig=orig, _kind=kind, **kwargs):
+                t = args[0] if _kind == "all_reduce" else (args[0] if _kind == "all_gather" else args[1])
+                self.calls.append((_kind, t.dtype, t.numel()))
+                return _orig(*args, **kwargs)
 
-        def counted_rs(out, inp, *a, **k):
-            self.calls.append(("reduce_scatter", out.dtype, inp.numel()))
-            return rs(out, inp, *a, **k)
-
-        _collectives._all_gather_single, _collectives._reduce_scatter_single = counted_ag, counted_rs
+            setattr(dist, name, counted)
         return self
 
     def __exit__(self, *exc):
-        _collectives._all_gather_single, _collectives._reduce_scatter_single = self._saved
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
 
     def count(self, kind):
         return sum(1 for k, *_ in self.calls if k == kind)
