@@ -12,19 +12,35 @@ from funcshard._collectives import all_gather, all_reduce, reduce_scatter
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard
 from funcshard._spec import ShardingError, ShardSpec
+from funcshard.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 __all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
     "Group",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Plan",
     "ShardSpec",
     "ShardingError",
+    "UnshardHandle",
     "all_gather",
     "all_reduce",
     "apply",
     "check_state",
+    "fully_shard",
     "gather",
     "optim",
     "plan",
     "reduce_scatter",
+    "register_fsdp_forward_method",
     "shard",
 ]
