@@ -14,6 +14,7 @@ Autograd nodes per group:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Any
 
@@ -44,7 +45,7 @@ class _GroupRuntime:
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions")
 
-    def __init__(self, plan: Plan, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
+    def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
         self.layout = layout
         self.shards = [raw(state[p]) for p in group.params]
@@ -52,7 +53,7 @@ class _GroupRuntime:
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
         self.status = _Status.SHARDED
         self.pending: PendingGather | None = None
-        self.slots = _slots(plan, group)
+        self.slots = slots
         self.originals: list[Any] | None = None
         self.fwd_started = 0
         self.fwd_done = 0
@@ -81,8 +82,8 @@ class Step:
         self.pg = plan.mesh.get_group(plan.shard_axis)
         self.rank = plan.mesh.get_local_rank(plan.shard_axis)
         self.state = state
-        layouts = _layouts(plan)
-        self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], state) for g in plan.groups}
+        layouts, slots = _derived(plan)
+        self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], slots[g.name], state) for g in plan.groups}
         self.backward_started = False
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
 
@@ -101,7 +102,7 @@ class Step:
                 # Autograd may have saved views of these buffers: hide the refill from its version check.
                 # The collective may bump the version from its own thread until waited, so the versions are
                 # restored after the wait, in wait().
-                gr.versions = torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded))
+                gr.versions = _preserve_versions(gr.padded)
                 gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank, outs=gr.padded)
             else:
                 gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
@@ -124,7 +125,7 @@ class Step:
                 if not gr.layout.flat:
                     self._allocate(gr)
                 # Refilling tensors autograd saved for backward: their version must not change.
-                with torch.autograd._unsafe_preserve_version_counter(tuple(gr.padded)):
+                with _preserve_versions(gr.padded):
                     gr.pending.finish(gr.padded)
                 if gr.versions is not None:
                     gr.versions.__exit__(None, None, None)
@@ -135,11 +136,11 @@ class Step:
     def reshard(self, name: str) -> None:
         """Free the group's unsharded parameters (their storage; autograd's references stay valid)."""
         gr = self.groups[name]
+        self.swap_out(name)  # the modules never keep views of freed storage
         if gr.status is _Status.SHARDED:
             return
         if gr.status is _Status.GATHERING:  # never free memory a collective still writes to
             self.wait(name)
-        self.swap_out(name)
         with no_functorch():
             for t in gr.padded:
                 t.untyped_storage().resize_(0)
@@ -253,6 +254,13 @@ class Step:
         return self.wrap_for_backward(ROOT, out)
 
 
+def _preserve_versions(tensors):
+    """Hide in-place refills from autograd's version check (inference tensors have no versions)."""
+    if any(t.is_inference() for t in tensors):
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+
+
 def _pre_backward_hook(step: Step, name: str):
     def hook(_grad):
         step.pre_backward(name)  # returns None: the gradient passes unchanged
@@ -264,7 +272,7 @@ def _make_pre_hook(step: Step, name: str):
     gr = step.groups[name]
 
     def pre_hook(module, args):
-        if gr.fwd_started == 0:
+        if gr.fwd_started == 0 or gr.status is not _Status.GATHERED:  # first use, or used again after a reshard
             step.gather_for_forward(name)
         gr.fwd_started += 1
         step.swap_in(name)
@@ -284,18 +292,19 @@ def _make_post_hook(step: Step, name: str):
     return post_hook
 
 
-_LAYOUT_CACHE: dict[int, tuple[Plan, dict[str, Buckets]]] = {}
+def _derived(plan: Plan) -> tuple[dict[str, Buckets], dict[str, list]]:
+    """Per-plan facts the runtime needs every step (bucket layouts, parameter slots), computed once and kept
+    on the plan object itself (a Plan is immutable; an edited copy gets its own)."""
+    hit = plan.__dict__.get("_funcshard_derived")
+    if hit is None:
+        hit = ({g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups},
+               {g.name: _slots(plan, g) for g in plan.groups})
+        plan.__dict__["_funcshard_derived"] = hit
+    return hit
 
 
 def _layouts(plan: Plan) -> dict[str, Buckets]:
-    hit = _LAYOUT_CACHE.get(id(plan))
-    if hit is not None and hit[0] is plan:
-        return hit[1]
-    layouts = {g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups}
-    if len(_LAYOUT_CACHE) > 64:
-        _LAYOUT_CACHE.clear()
-    _LAYOUT_CACHE[id(plan)] = (plan, layouts)
-    return layouts
+    return _derived(plan)[0]
 
 
 class _GroupGather(torch.autograd.Function):

@@ -388,3 +388,37 @@ def _frozen_shards():
 
 def test_frozen_shards_under_autograd():
     assert run_ranks(2, _frozen_shards) == [True, True]
+
+
+class _Twice(nn.Module):
+    """One block (a group) run twice in a forward, as in weight-shared (universal) transformers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.block = Block(6)
+        self.other = Block(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.block(self.other(self.block(self.inp(x)))))
+
+
+def _block_used_twice():
+    torch.manual_seed(0)
+    model = _Twice()
+    batches = _batches(4, 8, 7)
+    ref = _reference(model, batches, F.mse_loss)
+    for layout in ("per_param", "flat"):
+        plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=True, layout=layout)
+        for mode in ("grad", "backward"):
+            _compare(ref, _train(plan, batches, F.mse_loss, mode), 1e-5)
+        with torch.inference_mode():  # forward only, under inference mode too
+            state = funcshard.shard(plan)
+            x = torch.randn(2, 7)
+            torch.testing.assert_close(funcshard.apply(plan, state, x), model(x))
+    return True
+
+
+def test_group_used_twice_and_inference_mode():
+    assert run_ranks(2, _block_used_twice) == [True, True]
