@@ -113,8 +113,9 @@ def train(args) -> None:
     first = None
     for i, (x, y) in enumerate(batches(args.seq, args.batch, rank, world, args.steps, device), 1):
         grads, loss = step_fn(state, x, y)
-        updates, opt_state = tx.update(grads, opt_state, state)
-        state = optim.apply_updates(state, updates)
+        # donate=True: the old updates, optimizer state and shards are reused in place (JAX's donation)
+        updates, opt_state = tx.update(grads, opt_state, state, donate=True)
+        state = optim.apply_updates(state, updates, donate=True)
         mean_loss = funcshard.all_reduce(loss.detach()) / world
         first = first if first is not None else mean_loss.item()
         tokens += x.numel() * world

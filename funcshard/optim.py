@@ -38,7 +38,11 @@ Conventions (as in optax):
   update and state tensors and leaves its inputs (grads, state, params) alone,
   and :func:`apply_updates` returns new parameter tensors.
 * ``update`` accepts and ignores extra keyword arguments (``**extra``) for
-  forward compatibility.
+  forward compatibility, except ``donate=True``: JAX-style buffer donation, the
+  caller gives up ``updates`` and ``opt_state``, which are then reused in place
+  (moments, momentum, the returned updates), so a step allocates no second copy
+  of the optimizer state; ``apply_updates(params, updates, donate=True)``
+  likewise updates ``params`` in place. Same numbers as the pure form.
 * ``lr`` is a float or a schedule ``schedule(count: int) -> float`` where
   ``count`` is the number of updates already applied: ``0`` for the first
   update. This matches both optax (``scale_by_schedule``) and torch's
@@ -309,11 +313,14 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
-def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
+def _scale_leaves(updates: PyTree, factor: float | torch.Tensor, donate: bool = False) -> PyTree:
     leaves, spec = _flatten(updates)
     if not leaves:
         return updates
     with torch.no_grad():
+        if donate:
+            torch._foreach_mul_(leaves, factor)
+            return updates
         return _unflatten(spec, torch._foreach_mul(leaves, factor))
 
 
@@ -325,8 +332,8 @@ def scale(step_size: float) -> GradientTransformation:
         return ScaleState()
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return _scale_leaves(updates, step_size), state
+        del params
+        return _scale_leaves(updates, step_size, extra.get("donate", False)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -344,10 +351,10 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         return ScaleByScheduleState(count=0)
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
         _check_state("scale_by_schedule", state, ScaleByScheduleState)
         factor = step_size_fn(state.count)
-        return _scale_leaves(updates, factor), ScaleByScheduleState(count=state.count + 1)
+        return _scale_leaves(updates, factor, extra.get("donate", False)), ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -388,7 +395,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return ScaleByAdamState(count=0, mu=mu, nu=nu)
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
+        donate = extra.get("donate", False)
         _check_state(where, state, ScaleByAdamState)
         g, spec = _flatten(updates)
         mu, mu_spec = _flatten(state.mu)
@@ -398,15 +406,24 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if not g:
             return updates, ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
         with torch.no_grad():
-            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-            nu = torch._foreach_mul(nu, b2)
+            if donate:  # the moments and the incoming updates are reused in place
+                torch._foreach_lerp_(mu, g, 1.0 - b1)
+                torch._foreach_mul_(nu, b2)
+            else:
+                mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+                nu = torch._foreach_mul(nu, b2)
             torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
             bias_correction1 = 1.0 - b1**count
             bias_correction2_sqrt = (1.0 - b2**count) ** 0.5
             denom = torch._foreach_sqrt(nu)
             torch._foreach_div_(denom, bias_correction2_sqrt)
             torch._foreach_add_(denom, eps)
-            out = torch._foreach_div(mu, denom)
+            if donate:
+                torch._foreach_copy_(g, mu)
+                torch._foreach_div_(g, denom)
+                out = g
+            else:
+                out = torch._foreach_div(mu, denom)
             del denom
             torch._foreach_div_(out, bias_correction1)
         return _unflatten(spec, out), ScaleByAdamState(
@@ -432,7 +449,6 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         return AddDecayedWeightsState()
 
     def update_fn(updates, state, params=None, **extra):
-        del extra
         if weight_decay == 0.0:
             return updates, state
         _require_params(where, params)
@@ -442,6 +458,9 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         if not u:
             return updates, state
         with torch.no_grad():
+            if extra.get("donate", False):
+                torch._foreach_add_(u, p, alpha=weight_decay)
+                return updates, state
             out = torch._foreach_add(u, p, alpha=weight_decay)
         return _unflatten(spec, out), state
 
@@ -466,7 +485,8 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
         return TraceState(count=0, trace=_zeros_like_tree(where, params))
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
+        donate = extra.get("donate", False)
         _check_state(where, state, TraceState)
         g, spec = _flatten(updates)
         buf, buf_spec = _flatten(state.trace)
@@ -476,10 +496,20 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
         with torch.no_grad():
             if state.count == 0:
                 buf = torch._foreach_add(g, 0)  # a copy, like torch's grad.detach().clone()
+            elif donate:
+                torch._foreach_mul_(buf, decay)
+                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
             else:
                 buf = torch._foreach_mul(buf, decay)
                 torch._foreach_add_(buf, g, alpha=1.0 - dampening)
-            out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
+            if donate:  # the returned updates reuse g, never the state (later transforms scale them in place)
+                if nesterov:
+                    torch._foreach_add_(g, buf, alpha=decay)
+                else:
+                    torch._foreach_copy_(g, buf)
+                out = g
+            else:
+                out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
         new_state = TraceState(count=state.count + 1, trace=_unflatten(buf_spec, buf))
         return _unflatten(spec, out), new_state
 
@@ -520,7 +550,7 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
         return ClipByGlobalNormState()
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
         leaves, spec = _flatten(updates)
         if not leaves:
             return updates, state
@@ -543,6 +573,9 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
             if len(devices) > 1:
                 out = [u * clip_coef.to(u.device) for u in leaves]
+            elif extra.get("donate", False):
+                torch._foreach_mul_(leaves, clip_coef)
+                return updates, state
             else:
                 out = torch._foreach_mul(leaves, clip_coef)
         return _unflatten(spec, out), state
@@ -629,11 +662,12 @@ def adamw(
     )
 
 
-def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> PyTree:
     """Return new params ``p + u`` (one ``torch._foreach_add``); inputs are not mutated.
 
     Updates are cast to each param's dtype. Runs under ``torch.no_grad()``: the
-    results do not require grad.
+    results do not require grad. ``donate=True`` (JAX's buffer donation): the
+    caller gives up ``params``, which are updated in place and returned.
     """
     where = "apply_updates"
     p, spec = _flatten(params)
@@ -655,5 +689,8 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     with torch.no_grad():
         if any(a.dtype != b.dtype for a, b in zip(p, u)):
             u = [b.to(a.dtype) for a, b in zip(p, u)]
+        if donate:
+            torch._foreach_add_(p, u)
+            return params
         new = torch._foreach_add(p, u)
     return _unflatten(spec, new)

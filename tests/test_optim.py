@@ -597,3 +597,30 @@ def test_clip_by_global_norm_multirank(world):
             got = _unshard([r["mesh2d"][0] for r in ranks], full)
             for k in full:
                 torch.testing.assert_close(got[k], expected[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.adamw(lr=1e-2, weight_decay=0.1),
+    lambda: optim.sgd(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda: optim.sgd(lr=1e-2, momentum=0.9, dampening=0.1),
+    lambda: optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(lr=lambda c: 1e-2 / (c + 1))),
+])
+def test_donation_gives_the_same_numbers_in_place(make):
+    """donate=True reuses updates, optimizer state and params in place, with the pure form's numbers."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(5, 3), "b": torch.randn(3), "s": torch.randn(())}
+    tx = make()
+    pure_p, pure_s = dict(params), tx.init(params)
+    don_p, don_s = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    ids = {k: id(v) for k, v in don_p.items()}
+    for step in range(4):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        u, pure_s = tx.update(dict(grads), pure_s, pure_p)
+        pure_p = optim.apply_updates(pure_p, u)
+        g2 = {k: v.clone() for k, v in grads.items()}
+        u2, don_s = tx.update(g2, don_s, don_p, donate=True)
+        assert all(u2[k] is g2[k] for k in g2)  # the donated updates were reused
+        don_p = optim.apply_updates(don_p, u2, donate=True)
+    assert {k: id(v) for k, v in don_p.items()} == ids
+    for k in params:
+        torch.testing.assert_close(don_p[k], pure_p[k], atol=0, rtol=0)
