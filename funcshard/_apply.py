@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from funcshard._collectives import check_transforms
 from funcshard._plan import Plan, check_mesh
 from funcshard._runtime import Step
 from funcshard._shard import check_state
@@ -27,4 +28,5 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     """
     check_state(plan, state)
     check_mesh(plan.mesh)
+    check_transforms("funcshard.apply")
     return Step(plan, dict(state)).run(args, kwargs)

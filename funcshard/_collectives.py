@@ -50,6 +50,27 @@ def no_functorch():
     return torch._C._DisableFuncTorch()
 
 
+def check_transforms(what: str) -> None:
+    """The sharded gather's rules are first-order: one torch.func grad/vjp or jvp level, or none.
+
+    Its backward reduce-scatters plain tensors, so an outer transform would see no dependence (nested grad:
+    wrong second derivatives) or per-example gradients folded into one (vmap over grad). Refuse instead.
+    """
+    stack = torch._C._functorch.get_interpreter_stack()
+    if not stack:
+        return
+    kinds = [i.key() for i in stack]
+    if len(kinds) == 1 and kinds[0] in (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
+        return
+    names = " inside ".join(str(k).rsplit(".", 1)[-1].lower() for k in reversed(kinds))
+    raise NotImplementedError(
+        f"{what} runs under a single torch.func grad/vjp/grad_and_value or jvp transform; it was called under "
+        f"{names}. Nested transforms through the sharded gather (hessians, vmap over grad, jacrev of grad) are "
+        f"not built yet: take first-order gradients with funcshard, or gather the parameters "
+        f"(funcshard.gather) and apply the nested transform to the unsharded function"
+    )
+
+
 def _group_of(where) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -325,10 +346,16 @@ def reduce_scatter_grads(
                 continue  # integer parameters have no gradient
             n = layout.chunk[dt]
             missing = any(grads[i] is None for i in ix)
-            alloc = torch.zeros if layout.has_padding[dt] or missing else torch.empty
+            # dim-0 shards: torch._chunk_cat writes the padded rank-major layout (padding included) in one op
+            chunk_cat = not layout.flat and not missing and all(
+                layout.specs[i].dim == 0 and grads[i].is_contiguous() for i in ix)
+            alloc = torch.zeros if (layout.has_padding[dt] or missing) and not chunk_cat else torch.empty
             inp = alloc(world * n, dtype=dt, device=device)
             dsts, srcs = [], []
-            if layout.flat:
+            if chunk_cat:
+                torch._chunk_cat([grads[i].view(layout.specs[i].sharded_shape) for i in ix], dim=0,
+                                 num_chunks=world, out=inp.view(world, n))
+            elif layout.flat:
                 for i in ix:
                     spec, g = layout.specs[i], grads[i]
                     if g is not None:

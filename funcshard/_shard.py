@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from funcshard._collectives import Buckets, gather_tangents, no_functorch, raw, reduce_scatter_grads
+from funcshard._collectives import Buckets, check_transforms, gather_tangents, no_functorch, raw, reduce_scatter_grads
 from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
 from funcshard._spec import ShardingError
 
@@ -120,6 +120,8 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     """
     check_state(plan, state)
     check_mesh(plan.mesh)
+    if not any(torch._C._functorch.is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
+        check_transforms("funcshard.gather")
     from funcshard._runtime import _layouts
 
     layouts = _layouts(plan)

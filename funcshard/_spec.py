@@ -12,6 +12,7 @@ their gradient is zero. A 0-dim parameter is sharded as a 1-element vector.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -71,36 +72,36 @@ class ShardSpec:
     aliases: tuple[str, ...] = ()
     flat: FlatSlot | None = None
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def sharded_shape(self) -> tuple[int, ...]:
         """The shape that is split: ``shape``, or ``(1,)`` for a 0-dim parameter."""
         return self.shape if self.shape else (1,)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Global size of the shard dim."""
         return self.sharded_shape[self.dim]
 
-    @property
+    @functools.cached_property
     def chunk(self) -> int:
         """Size of every rank's shard along the shard dim, padding included."""
         return math.ceil(self.size / self.world)
 
-    @property
+    @functools.cached_property
     def padding(self) -> int:
         return self.chunk * self.world - self.size
 
-    @property
+    @functools.cached_property
     def padded_shape(self) -> tuple[int, ...]:
         s = list(self.sharded_shape)
         s[self.dim] = self.chunk * self.world
         return tuple(s)
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
         """This rank's shard shape (the same on every rank, except in the flat layout)."""
         if self.flat is not None:
@@ -109,7 +110,7 @@ class ShardSpec:
         s[self.dim] = self.chunk
         return tuple(s)
 
-    @property
+    @functools.cached_property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 

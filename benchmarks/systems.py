@@ -1,0 +1,224 @@
+"""The systems under test, each one training step of the same GPT (funcshard.demo's) with AdamW in fp32.
+
+Every system is built from the same seed (same initial weights on every rank), takes this rank's slice of
+the same global batch, and exposes ``step() -> local loss`` (one forward, backward and optimizer step).
+
+* ``unsharded``   the plain module on this rank's batch, no communication (the compute floor; every rank runs
+                  one at the same time, so the CPU is as busy as in the data-parallel systems)
+* ``ddp``         DistributedDataParallel (``gradient_as_bucket_view=True``; the stock ``allreduce_hook`` so
+                  its all-reduces go through ``torch.distributed.all_reduce`` and are counted)
+* ``fsdp2``       torch's ``fully_shard`` on each Block, then on the root; ``torch.optim.AdamW(foreach=True)``
+* ``fs_apply``    ``funcshard.plan(groups=(Block,))`` + ``shard`` + ``apply`` under
+                  ``torch.func.grad_and_value`` + ``funcshard.optim.adamw`` (with ``donate=True`` as the demo
+                  does, when funcshard.optim has it); the planned module lives on the meta device (the
+                  idiomatic memory-lean setup: only the shards hold data)
+* ``fs_fully_shard`` ``funcshard.fully_shard`` (FSDP2's module API) on each Block, then on the root, when it
+                  exists; ``torch.optim.AdamW(foreach=True)``
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard
+from funcshard.demo import GPT, Block
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+SEED = 1234
+
+ALL_SYSTEMS = ("unsharded", "ddp", "fsdp2", "fs_apply", "fs_fully_shard")
+SHARDED = ("fsdp2", "fs_apply", "fs_fully_shard")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab: int
+    dim: int
+    heads: int
+    layers: int
+    seq: int
+    batch: int  # sequences per rank per step
+
+    def build(self, device) -> GPT:
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            return GPT(self.vocab, self.dim, self.heads, self.layers, self.seq)
+
+    def params(self) -> int:
+        with torch.device("meta"):
+            m = GPT(self.vocab, self.dim, self.heads, self.layers, self.seq)
+        return sum(p.numel() for p in m.parameters())
+
+    @property
+    def groups(self) -> int:  # one per Block, plus the root (embeddings, final norm, tied head)
+        return self.layers + 1
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "params": self.params(), "groups": self.groups}
+
+
+def batch(cfg: ModelConfig, rank: int, world: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch (the same global batch whatever the system)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    data = torch.randint(0, cfg.vocab, (cfg.batch * world, cfg.seq + 1), generator=g)
+    mine = data.chunk(world)[rank]
+    return mine[:, :-1].contiguous().to(device), mine[:, 1:].contiguous().to(device)
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
+
+
+class _ModuleSystem:
+    """A module trained the usual way: loss.backward(), opt.step(), opt.zero_grad()."""
+
+    name = "?"
+
+    def __init__(self, model: nn.Module, opt, x, y):
+        self.model, self.opt, self.x, self.y = model, opt, x, y
+
+    def step(self) -> torch.Tensor:
+        loss = _loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class Unsharded(_ModuleSystem):
+    name = "unsharded"
+
+    def __init__(self, cfg, mesh, device, x, y):
+        model = cfg.build(device)
+        super().__init__(model, _adamw(model.parameters()), x, y)
+
+
+class DDP(_ModuleSystem):
+    name = "ddp"
+
+    def __init__(self, cfg, mesh, device, x, y):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = cfg.build(device)
+        pg = mesh.get_group(0)
+        ids = [device] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids, process_group=pg, gradient_as_bucket_view=True)
+        # DDP's gradient buckets live in its C++ reducer: keep a reference to them here so that the memory
+        # instrument sees them between steps too (they are allocated whether we look or not)
+        self.buckets: dict[int, torch.Tensor] = {}
+        buckets = self.buckets
+
+        def hook(state, bucket):
+            buckets[bucket.index()] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(pg, hook)
+        super().__init__(ddp, _adamw(ddp.parameters()), x, y)
+
+
+class FSDP2(_ModuleSystem):
+    name = "fsdp2"
+
+    def __init__(self, cfg, mesh, device, x, y):
+        from torch.distributed.fsdp import fully_shard
+
+        model = cfg.build(device)
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        super().__init__(model, _adamw(model.parameters()), x, y)
+
+
+class FSFullyShard(_ModuleSystem):
+    name = "fs_fully_shard"
+
+    def __init__(self, cfg, mesh, device, x, y):
+        model = cfg.build(device)
+        for blk in model.blocks:
+            funcshard.fully_shard(blk, mesh=mesh)
+        funcshard.fully_shard(model, mesh=mesh)
+        super().__init__(model, _adamw(model.parameters()), x, y)
+
+
+class FSApply:
+    name = "fs_apply"
+    plan_kwargs: ClassVar[dict] = {}  # e.g. {"layout": "flat"} in a variant
+
+    def __init__(self, cfg, mesh, device, x, y):
+        from funcshard import optim
+
+        full = cfg.build(device)
+        with torch.device("meta"):
+            skeleton = GPT(cfg.vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq)
+        self.plan = funcshard.plan(skeleton, mesh, groups=(Block,), **self.plan_kwargs)
+        self.state = funcshard.shard(self.plan, dict(full.named_parameters()))
+        del full
+        self.tx = optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        self.opt_state = self.tx.init(self.state)
+        plan = self.plan
+
+        def loss_fn(state, x, y):
+            return _loss(funcshard.apply(plan, state, x), y)
+
+        self.step_fn = torch.func.grad_and_value(loss_fn)
+        self.x, self.y = x, y
+        self.donate = DONATE
+
+    def step(self) -> torch.Tensor:
+        grads, loss = self.step_fn(self.state, self.x, self.y)
+        self.update(grads)
+        return loss.detach()
+
+    def update(self, grads) -> None:
+        """AdamW as the demo does it: with buffer donation (in place) when funcshard.optim has it."""
+        from funcshard import optim
+
+        kw = {"donate": True} if self.donate else {}
+        updates, self.opt_state = self.tx.update(grads, self.opt_state, self.state, **kw)
+        self.state = optim.apply_updates(self.state, updates, **kw)
+
+
+def _has_donate() -> bool:
+    import inspect
+
+    from funcshard import optim
+
+    return "donate" in inspect.signature(optim.apply_updates).parameters
+
+
+DONATE = _has_donate()
+
+
+BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fs_apply": FSApply, "fs_fully_shard": FSFullyShard}
+
+
+def available(name: str) -> str | None:
+    """None when the system can be built here, else why not."""
+    if name == "fs_fully_shard" and not hasattr(funcshard, "fully_shard"):
+        return "not built (funcshard.fully_shard does not exist yet)"
+    return None
+
+
+def build(name: str, cfg: ModelConfig, mesh, device, x, y):
+    return BUILDERS[name](cfg, mesh, device, x, y)
+
+
+def world_loss(loss: torch.Tensor, group) -> float:
+    """The mean over ranks of the local losses (the global batch's mean loss)."""
+    t = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
