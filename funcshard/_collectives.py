@@ -348,7 +348,7 @@ def reduce_scatter_grads(
             missing = any(grads[i] is None for i in ix)
             # dim-0 shards: torch._chunk_cat writes the padded rank-major layout (padding included) in one op
             chunk_cat = not layout.flat and not missing and all(
-                layout.specs[i].dim == 0 and grads[i].is_contiguous() for i in ix)
+                layout.specs[i].dim == 0 and grads[i].is_contiguous() and grads[i].numel() for i in ix)
             alloc = torch.zeros if (layout.has_padding[dt] or missing) and not chunk_cat else torch.empty
             inp = alloc(world * n, dtype=dt, device=device)
             dsts, srcs = [], []

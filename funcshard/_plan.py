@@ -402,11 +402,13 @@ def _make_groups(
     order = {name: i for i, name in enumerate(mods)}
     # 1. which module paths form which group
     units: list[tuple[str, ...]] = []
+    if isinstance(policy, str):  # one module path
+        policy = [policy]
+    elif isinstance(policy, (list, tuple, set, frozenset)) and policy and all(isinstance(c, type) for c in policy):
+        policy = tuple(policy)  # module classes, given in any container
     if policy is None:
         pass
-    elif isinstance(policy, type) or (
-        isinstance(policy, tuple) and policy and all(isinstance(c, type) for c in policy)
-    ):
+    elif isinstance(policy, type) or (isinstance(policy, tuple) and policy and all(isinstance(c, type) for c in policy)):
         units = [(n,) for n, m in mods.items() if n and isinstance(m, policy)]
     elif callable(policy):
         units = [(n,) for n, m in mods.items() if n and policy(n, m)]
@@ -473,6 +475,12 @@ def _check_schedule(p: Plan) -> None:
                 raise ShardingError(f"parameter {q!r} is in groups {seen[q]!r} and {g.name!r}; a parameter "
                                     f"belongs to exactly one group")
             seen[q] = g.name
+    flat = {s.flat is not None for s in p.specs.values()}
+    if flat and flat != {p.layout == "flat"}:
+        raise ShardingError(
+            f"layout={p.layout!r} does not match the plan's specs; the layout is chosen when the specs are made: "
+            f"call funcshard.plan(..., layout={p.layout!r}) instead of replacing the field"
+        )
     missing = set(p.specs) - set(seen)
     if missing:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")

@@ -86,9 +86,7 @@ class Step:
         self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], slots[g.name], state) for g in plan.groups}
         self.backward_started = False
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
-        # Cutting torch.func's gradient graph is safe only if no shard is also differentiated by plain
-        # autograd outside the transform (that would differentiate through the gradients).
-        self.cut_graph = not any(sh.requires_grad for gr in self.groups.values() for sh in gr.shards)
+
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
     def unshard(self, name: str) -> None:
@@ -203,7 +201,7 @@ class Step:
         tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
         if len(tensors) == 1:
             tensors[0].register_hook(self._pre_backward_hooks[name])
-        elif tensors and self.cut_graph and _single_grad_level():
+        elif tensors and _single_grad_level():
             # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
             hook = _pre_backward_hook(self, name, once=True)
             for t in tensors:
@@ -276,7 +274,7 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False):
         if not (once and fired):
             fired.append(True)
             step.pre_backward(name)
-        if step.cut_graph and _single_grad_level():
+        if _single_grad_level():
             # torch.func.grad differentiates with create_graph=True (so transforms can nest); with a single
             # grad level nothing differentiates the gradients again, and the graph that made them would keep
             # every finished group's saved activations and full gradients alive until backward ends.

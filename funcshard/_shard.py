@@ -106,8 +106,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         raise NotImplementedError(
-            "funcshard.gather under torch.func.vmap with batched shards is not supported: vmap over the data "
-            "(inputs) and keep the sharded state unbatched (in_dims=None for it)"
+            "funcshard.gather under torch.func.vmap with batched shards is not supported (nor are gather and "
+            "apply under vmap at all yet): gather the parameters outside vmap and vmap the unsharded function"
         )
 
 

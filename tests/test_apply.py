@@ -472,3 +472,47 @@ def test_first_order_transforms_and_nested_refusal():
     assert re.search(r"funcshard\.apply runs under a single torch\.func .* called under grad inside grad", msgs[0])
     assert re.search(r"funcshard\.apply .* called under grad inside vmap", msgs[1])
     assert re.search(r"funcshard\.gather .* called under grad inside grad", msgs[2])
+
+
+class _ZeroSize(nn.Module):
+    """A group holding a zero-size parameter (e.g. a rank-0 adapter) next to ordinary ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(6)
+        self.block.empty = nn.Parameter(torch.zeros(0, 6))
+        self.inp = nn.Linear(7, 6)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.block(h) + (self.block.empty.sum(0) if self.block.empty.numel() else 0) + h @ self.block.empty.new_zeros(6, 6)
+
+
+def _edge_inputs():
+    torch.manual_seed(0)
+    model = _ZeroSize()
+    x = torch.randn(4, 7)
+    out = {}
+    for layout in ("per_param", "flat"):
+        plan = funcshard.plan(model, _mesh(), groups=[Block], layout=layout)  # classes in a list
+        state = funcshard.shard(plan)
+        grads = torch.func.grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+        full = funcshard.gather(plan, state)
+        ref = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().sum())(full)
+        for k, spec in plan.specs.items():
+            torch.testing.assert_close(grads[k], spec.local_shard(ref[k], dist.get_rank()))
+        out[layout] = [g.name for g in plan.groups]
+    out["string"] = [g.name for g in funcshard.plan(model, _mesh(), groups="block").groups]
+    try:
+        funcshard.plan(model, _mesh()).replace(layout="flat")
+        out["replace"] = "no error"
+    except ShardingError as e:
+        out["replace"] = str(e)
+    return out
+
+
+def test_zero_size_parameters_group_spellings_and_layout_replace():
+    out = run_ranks(2, _edge_inputs)[0]
+    assert out["per_param"] == out["flat"] == out["string"] == ["", "block"]
+    assert re.search(r"layout='flat' does not match the plan's specs.*funcshard\.plan\(\.\.\., layout='flat'\)",
+                     out["replace"])
