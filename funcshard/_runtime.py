@@ -32,6 +32,7 @@ from funcshard._collectives import (
     start_gather,
 )
 from funcshard._plan import ROOT, Group, Plan
+from funcshard._spec import ShardingError
 
 class _Status(enum.Enum):
     SHARDED = "sharded"
@@ -43,7 +44,7 @@ class _GroupRuntime:
     """One group's buffers and state within a step."""
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
-                 "fwd_started", "fwd_done", "swapped", "frozen", "versions")
+                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -59,6 +60,7 @@ class _GroupRuntime:
         self.fwd_done = 0
         self.swapped = False
         self.versions = None
+        self.rest: list | None = None
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
         # the group's reduce-scatter, so it is freed only at the end of backward.
         self.frozen = not all(state[p].requires_grad for p in group.params)
@@ -82,7 +84,7 @@ class Step:
         self.pg = plan.mesh.get_group(plan.shard_axis)
         self.rank = plan.mesh.get_local_rank(plan.shard_axis)
         self.state = state
-        layouts, slots = _derived(plan)
+        layouts, slots, _ = _derived(plan)
         self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], slots[g.name], state) for g in plan.groups}
         self.backward_started = False
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
@@ -168,9 +170,21 @@ class Step:
         gr = self.groups[name]
         if not gr.swapped:
             return
-        for (mod, attr, _), orig in zip(gr.slots, gr.originals):
+        for (mod, attr, _), orig in zip(gr.slots, gr.rest or gr.originals):
             mod._parameters[attr] = orig
         gr.swapped = False
+
+    def _rest(self, name: str, placeholders: list | None) -> None:
+        """What a group's slots hold while it is not swapped in: placeholders during ``run`` (a read from
+        outside the group's forward raises instead of silently using the module's stale parameters), the
+        module's own parameters otherwise."""
+        gr = self.groups[name]
+        if gr.originals is None:
+            gr.originals = [mod._parameters[attr] for mod, attr, _ in gr.slots]
+        gr.rest = placeholders
+        if not gr.swapped:
+            for (mod, attr, _), t in zip(gr.slots, placeholders or gr.originals):
+                mod._parameters[attr] = t
 
     # ---- forward ---------------------------------------------------------------------------------
     def gather_for_forward(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -244,7 +258,10 @@ class Step:
                 handles.append(mod.register_forward_pre_hook(_make_pre_hook(self, g.name), prepend=True))
                 handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
         root = self.groups[ROOT]
+        placeholders = _derived(plan)[2]
         try:
+            for g in plan.groups[1:]:
+                self._rest(g.name, placeholders[g.name])
             # functional_call semantics, with the aliases of tied parameters resolved once by the plan
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.gather_for_forward(ROOT)
@@ -255,6 +272,7 @@ class Step:
                 h.remove()
             for name in self.groups:
                 self.swap_out(name)
+                self._rest(name, None)
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
         return self.wrap_for_backward(ROOT, out)
@@ -318,10 +336,43 @@ def _derived(plan: Plan) -> tuple[dict[str, Buckets], dict[str, list]]:
     on the plan object itself (a Plan is immutable; an edited copy gets its own)."""
     hit = plan.__dict__.get("_funcshard_derived")
     if hit is None:
+        slots = {g.name: _slots(plan, g) for g in plan.groups}
         hit = ({g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups},
-               {g.name: _slots(plan, g) for g in plan.groups})
+               slots,
+               {g.name: [_NotGathered(plan.specs[g.params[i]], g.name) for _, _, i in slots[g.name]]
+                for g in plan.groups})
         plan.__dict__["_funcshard_derived"] = hit
     return hit
+
+
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__repr__,
+             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point}
+
+
+class _NotGathered(torch.Tensor):
+    """Stands in for a group's parameter while ``apply`` runs and the group is not gathered: reading it
+    (from code outside the group's modules, or a checkpoint region spanning several groups) raises."""
+
+    @staticmethod
+    def __new__(cls, spec, group: str):
+        t = torch.Tensor._make_subclass(cls, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
+        t._funcshard_where = (spec.fqn, group)
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        fqn, group = next(a._funcshard_where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        raise ShardingError(
+            f"parameter {fqn!r} (group {group!r}) was read by {getattr(func, '__name__', func)} outside its "
+            f"group's forward, where it is not gathered. funcshard.apply gathers a group only around the forward "
+            f"of the group's modules: move the code that uses it into one of those modules, tie it properly "
+            f"(the same nn.Parameter registered in both places, so the plan puts it in a common group), or put "
+            f"both users in one group (funcshard.plan(..., groups=[(module_a, module_b), ...]))"
+        )
 
 
 def _layouts(plan: Plan) -> dict[str, Buckets]:

@@ -474,18 +474,25 @@ def test_first_order_transforms_and_nested_refusal():
     assert re.search(r"funcshard\.gather .* called under grad inside grad", msgs[2])
 
 
-class _ZeroSize(nn.Module):
-    """A group holding a zero-size parameter (e.g. a rank-0 adapter) next to ordinary ones."""
+class _BlockWithEmpty(Block):
+    """A block holding a zero-size parameter (e.g. a rank-0 adapter) next to ordinary ones."""
 
+    def __init__(self, d):
+        super().__init__(d)
+        self.empty = nn.Parameter(torch.zeros(0, d))
+
+    def forward(self, x):
+        return super().forward(x) + self.empty.sum(0)
+
+
+class _ZeroSize(nn.Module):
     def __init__(self):
         super().__init__()
-        self.block = Block(6)
-        self.block.empty = nn.Parameter(torch.zeros(0, 6))
+        self.block = _BlockWithEmpty(6)
         self.inp = nn.Linear(7, 6)
 
     def forward(self, x):
-        h = self.inp(x)
-        return self.block(h) + (self.block.empty.sum(0) if self.block.empty.numel() else 0) + h @ self.block.empty.new_zeros(6, 6)
+        return self.block(self.inp(x))
 
 
 def _edge_inputs():
@@ -516,3 +523,37 @@ def test_zero_size_parameters_group_spellings_and_layout_replace():
     assert out["per_param"] == out["flat"] == out["string"] == ["", "block"]
     assert re.search(r"layout='flat' does not match the plan's specs.*funcshard\.plan\(\.\.\., layout='flat'\)",
                      out["replace"])
+
+
+class _CrossRead(nn.Module):
+    """The root reuses a group's weight by attribute (not a registered tie): the group is not gathered there."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = Block(6)
+        self.inp = nn.Linear(7, 6)
+
+    def forward(self, x):
+        h = self.emb(self.inp(x))
+        return h @ self.emb.l2.weight
+
+
+def _cross_read():
+    torch.manual_seed(0)
+    model = _CrossRead()
+    before = [p for p in model.parameters()]
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    try:
+        funcshard.apply(plan, funcshard.shard(plan), torch.randn(2, 7))
+        msg = "no error"
+    except ShardingError as e:
+        msg = str(e)
+    restored = [p for p in model.parameters()] == before and all(type(p) is nn.Parameter for p in before)
+    ok_after = funcshard.plan(model, _mesh(), groups=[("emb",)])  # the same module as one group is fine
+    return msg, restored, ok_after is not None
+
+
+def test_reading_an_ungathered_group_raises():
+    msg, restored, _ = run_ranks(2, _cross_read)[0]
+    assert re.search(r"parameter 'emb\.l2\.weight' \(group 'emb'\) was read by .* outside its group's forward", msg)
+    assert restored  # the module's own parameters are back after the error
