@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import Any
 
 import torch
@@ -87,6 +88,8 @@ class Step:
         layouts, slots, _ = _derived(plan)
         self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], slots[g.name], state) for g in plan.groups}
         self.backward_started = False
+        self.in_forward = False
+        self.hook_handles: list = []
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
 
 
@@ -247,16 +250,22 @@ class Step:
         for name in self.groups:
             self.reshard(name)
         self.backward_started = False
+        _remove(self.hook_handles)
 
     # ---- the whole forward -----------------------------------------------------------------------
     def run(self, args: tuple, kwargs: dict) -> Any:
         plan = self.plan
-        handles = []
+        # The group modules' hooks live until the end of backward (or until the step is garbage collected,
+        # e.g. when no backward comes): activation checkpointing recomputes forwards during backward, and a
+        # region spanning several groups needs each of them gathered again.
+        handles = self.hook_handles
         for g in plan.groups[1:]:
             for path in g.modules:
                 mod = plan.module.get_submodule(path)
                 handles.append(mod.register_forward_pre_hook(_make_pre_hook(self, g.name), prepend=True))
                 handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
+        weakref.finalize(self, _remove, handles)
+        no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
         root = self.groups[ROOT]
         placeholders = _derived(plan)[2]
         try:
@@ -266,16 +275,27 @@ class Step:
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.gather_for_forward(ROOT)
             self.swap_in(ROOT)
+            self.in_forward = True
             out = plan.module(*args, **kwargs)
+        except BaseException:
+            _remove(handles)
+            raise
         finally:
-            for h in handles:
-                h.remove()
+            self.in_forward = False
+            if no_backward:
+                _remove(handles)
             for name in self.groups:
                 self.swap_out(name)
                 self._rest(name, None)
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
         return self.wrap_for_backward(ROOT, out)
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _preserve_versions(tensors):
@@ -308,25 +328,42 @@ def _single_grad_level() -> bool:
 
 
 def _make_pre_hook(step: Step, name: str):
-    gr = step.groups[name]
+    ref = weakref.ref(step)  # the hooks outlive run(); the module must not keep the step alive
 
     def pre_hook(module, args):
-        if gr.fwd_started == 0 or gr.status is not _Status.GATHERED:  # first use, or used again after a reshard
-            step.gather_for_forward(name)
-        gr.fwd_started += 1
-        step.swap_in(name)
+        step = ref()
+        if step is None:
+            return
+        gr = step.groups[name]
+        if step.in_forward:
+            if gr.fwd_started == 0 or gr.status is not _Status.GATHERED:  # first use, or again after a reshard
+                step.gather_for_forward(name)
+            gr.fwd_started += 1
+            step.swap_in(name)
+        elif step.backward_started:  # activation-checkpoint recomputation during this step's backward
+            step.unshard(name)
+            step.wait(name)
+            step.swap_in(name)
 
     return pre_hook
 
 
 def _make_post_hook(step: Step, name: str):
-    gr = step.groups[name]
+    ref = weakref.ref(step)
 
     def post_hook(module, args, output):
-        gr.fwd_done += 1
-        if gr.fwd_done >= len(gr.group.modules):
-            return step.post_forward(name, output)
-        return step.wrap_for_backward(name, output)
+        step = ref()
+        if step is None:
+            return None
+        gr = step.groups[name]
+        if step.in_forward:
+            gr.fwd_done += 1
+            if gr.fwd_done >= len(gr.group.modules):
+                return step.post_forward(name, output)
+            return step.wrap_for_backward(name, output)
+        if step.backward_started:  # recomputation: the group stays gathered until its post-backward
+            step.swap_out(name)
+        return None
 
     return post_hook
 

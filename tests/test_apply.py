@@ -557,3 +557,34 @@ def test_reading_an_ungathered_group_raises():
     msg, restored, _ = run_ranks(2, _cross_read)[0]
     assert re.search(r"parameter 'emb\.l2\.weight' \(group 'emb'\) was read by .* outside its group's forward", msg)
     assert restored  # the module's own parameters are back after the error
+
+
+class _TwoStage(nn.Module):
+    """One checkpoint region around two groups (a pipeline-stage style checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.a = Block(6)
+        self.b = Block(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = checkpoint(lambda t: self.b(self.a(t)), self.inp(x), use_reentrant=False)
+        return self.out(h)
+
+
+def _checkpoint_two_groups():
+    torch.manual_seed(0)
+    model = _TwoStage()
+    batches = _batches(3, 8, 7)
+    ref = _reference(model, batches, F.mse_loss)
+    for layout in ("per_param", "flat"):
+        plan = funcshard.plan(model, _mesh(), groups=(Block,), layout=layout)
+        _compare(ref, _train(plan, batches, F.mse_loss, "backward"), 1e-5)
+    hooks_left = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return hooks_left
+
+
+def test_checkpoint_region_spanning_groups():
+    assert run_ranks(2, _checkpoint_two_groups) == [0, 0]  # and no hook stays on the module
