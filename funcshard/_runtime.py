@@ -45,7 +45,8 @@ class _GroupRuntime:
     """One group's buffers and state within a step."""
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
-                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest")
+                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "inputs_done",
+                 "grads_done")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -65,6 +66,8 @@ class _GroupRuntime:
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
         # the group's reduce-scatter, so it is freed only at the end of backward.
         self.frozen = not all(state[p].requires_grad for p in group.params)
+        self.trainable = any(state[p].requires_grad for p in group.params)
+        self.inputs_done = self.grads_done = False
 
 
 def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -242,13 +245,33 @@ class Step:
         with no_functorch():
             out = reduce_scatter_grads(gr.layout, [None if g is None else raw(g) for g in grads], self.pg,
                                        self.plan.divide_factor, gr.shards[0].device)
-        if not gr.frozen:  # frozen parameters may still be read by backward ops that do not reach here
+        if not gr.frozen:
             self.reshard(name)
+        else:  # frozen parameters may still be read by backward ops that do not reach here
+            gr.grads_done = True
+            if gr.inputs_done:
+                self.reshard(name)
         return out
 
-    def end_of_backward(self) -> None:
-        for name in self.groups:
+    def watch_inputs(self, name: str, args: tuple) -> None:
+        """For a group with frozen parameters: free it once the gradients of its forward inputs are complete
+        (then no backward op of the group can still read its parameters), and its own gradients are
+        reduce-scattered if it has any (FSDP2 does the same with a Function on the module's inputs)."""
+        gr = self.groups[name]
+        inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if gr.frozen and inputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads: self._inputs_done(name), mode="all")
+
+    def _inputs_done(self, name: str) -> None:
+        gr = self.groups[name]
+        gr.inputs_done = True
+        if gr.grads_done or not gr.trainable:
             self.reshard(name)
+
+    def end_of_backward(self) -> None:
+        for name, gr in self.groups.items():
+            self.reshard(name)
+            gr.inputs_done = gr.grads_done = False
         self.backward_started = False
         _remove(self.hook_handles)
 
@@ -340,6 +363,7 @@ def _make_pre_hook(step: Step, name: str):
                 step.gather_for_forward(name)
             gr.fwd_started += 1
             step.swap_in(name)
+            step.watch_inputs(name, args)
         elif step.backward_started:  # activation-checkpoint recomputation during this step's backward
             step.unshard(name)
             step.wait(name)

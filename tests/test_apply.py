@@ -203,9 +203,10 @@ LAYERS = 16
 
 
 class Wide(nn.Module):
-    def __init__(self, d, layers):
+    def __init__(self, d, layers, adapters=False):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d, bias=False), nn.Tanh()) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            _Adapted(d) if adapters else nn.Sequential(nn.Linear(d, d, bias=False), nn.Tanh()) for _ in range(layers))
         self.out = nn.Linear(d, 1, bias=False)
 
     def forward(self, x):
@@ -214,15 +215,26 @@ class Wide(nn.Module):
         return self.out(x)
 
 
-def _memory(depth, reshard, layout="per_param"):
+class _Adapted(nn.Sequential):
+    """A frozen d x d weight plus a small trainable low-rank correction (both in the block's group)."""
+
+    def __init__(self, d):
+        super().__init__(nn.Linear(d, d, bias=False), nn.Linear(d, 4, bias=False), nn.Linear(4, d, bias=False))
+
+    def forward(self, x):
+        return torch.tanh(self[0](x) + self[2](self[1](x)))
+
+
+def _memory(depth, reshard, layout="per_param", frozen_weights=False):
     from memtrack import PeakBytes
 
     torch.manual_seed(0)
     d, layers = 256, LAYERS
-    model = Wide(d, layers)
+    model = Wide(d, layers, adapters=frozen_weights)  # LoRA-style: frozen block weights, small trainable parts
     plan = funcshard.plan(model, _mesh(), groups=(nn.Sequential,), prefetch=depth, reshard_after_forward=reshard,
                           layout=layout)
-    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    state = {k: v.requires_grad_(not (frozen_weights and k.endswith(".0.weight")))
+             for k, v in funcshard.shard(plan).items()}
     x = torch.randn(1, d)
     funcshard.apply(plan, state, x).sum().backward()  # warm up
     for v in state.values():
@@ -588,3 +600,11 @@ def _checkpoint_two_groups():
 
 def test_checkpoint_region_spanning_groups():
     assert run_ranks(2, _checkpoint_two_groups) == [0, 0]  # and no hook stays on the module
+
+
+def test_frozen_weights_keep_the_memory_bound():
+    """Groups whose weights take no gradient are freed once their inputs' gradients are done, not at the end
+    of backward: the backward peak stays that of a few groups, not of the whole model."""
+    _, step_peak, block, full, sharded = run_ranks(4, _memory, 1, True, "per_param", True)[0]
+    adapters = LAYERS * 2 * 256 * 4 * 4
+    assert step_peak <= 2 * block + 256 * 4 + 3 * block + sharded + adapters + 64 * 1024, (step_peak / block)
