@@ -46,7 +46,7 @@ class Group:
         return self.name == ROOT
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity: usable as a dict key
 class Plan:
     """How one module is sharded over one mesh and scheduled. Make one with :func:`funcshard.plan`.
 

@@ -30,6 +30,11 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
             problems.append(f"  {k}: not a parameter of this plan (extra key)")
         elif not isinstance(v, torch.Tensor):
             problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
+        elif v.device.type != plan.mesh.device_type:
+            problems.append(
+                f"  {k}: on {v.device}, the mesh is on {plan.mesh.device_type}; move the state with "
+                f"{{k: v.to(device) for k, v in state.items()}} (or shard parameters that live there)"
+            )
         elif tuple(v.shape) != spec.local_shape or v.dtype != spec.dtype:
             problems.append(
                 f"  {k}: local shard {tuple(v.shape)} {v.dtype}, the plan expects {spec.local_shape} {spec.dtype} "

@@ -351,6 +351,7 @@ def _apply_errors():
     x = torch.randn(2, 7)
     msgs = []
     for bad in (
+        {**state, "out.bias": state["out.bias"].to("meta")},
         {k: v for k, v in state.items() if k != "blocks.1.l2.bias"},
         {**state, "blocks.0.l1.weight": torch.zeros(3, 3)},
         funcshard.shard(funcshard.plan(model, _mesh(), shard_placement_fn=lambda n, p: p.dim() - 1)),
@@ -369,6 +370,7 @@ def test_apply_bad_state():
     msgs, unchanged = run_ranks(2, _apply_errors)[0]
     assert unchanged
     patterns = [
+        r"out\.bias: on meta, the mesh is on cpu; move the state with",
         r"blocks\.1\.l2\.bias: missing",
         r"blocks\.0\.l1\.weight: local shard \(3, 3\) torch\.float32, the plan expects \(10, 6\)",
         r"inp\.weight: local shard \(6, 4\) torch\.float32, the plan expects \(3, 7\)[\s\S]*another plan",
