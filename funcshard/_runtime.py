@@ -64,7 +64,7 @@ class _GroupRuntime:
         self.versions = None
         self.rest: list | None = None
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
-        # the group's reduce-scatter, so it is freed only at the end of backward.
+        # the group's reduce-scatter, so it is freed only once its inputs' gradients are complete too.
         self.frozen = not all(state[p].requires_grad for p in group.params)
         self.trainable = any(state[p].requires_grad for p in group.params)
         self.inputs_done = self.grads_done = False
@@ -94,7 +94,6 @@ class Step:
         self.in_forward = False
         self.hook_handles: list = []
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
-
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
     def unshard(self, name: str) -> None:
