@@ -405,9 +405,8 @@ def _derived(plan: Plan) -> tuple[dict[str, Buckets], dict[str, list]]:
     return hit
 
 
-_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-             torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__repr__,
-             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point}
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__repr__,
+             torch.Tensor.is_floating_point, torch.Tensor.element_size}  # and every attribute read (__get__)
 
 
 class _NotGathered(torch.Tensor):
@@ -422,7 +421,7 @@ class _NotGathered(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
+        if func in _METADATA or getattr(func, "__name__", "") == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         fqn, group = next(a._funcshard_where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
