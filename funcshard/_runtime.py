@@ -328,9 +328,16 @@ def _preserve_versions(tensors):
 
 
 def _pre_backward_hook(step: Step, name: str, once: bool = False):
+    # Weakly held: the step keeps its hooks, and a strong reference back would make every step a reference
+    # cycle that outlives its process group until the garbage collector runs (gloo aborts on exit then).
+    # The autograd graph keeps the step alive through its _GroupGather nodes while a backward can come.
+    ref = weakref.ref(step)
     fired = []
 
     def hook(grad):
+        step = ref()
+        if step is None:
+            return None
         if not (once and fired):
             fired.append(True)
             step.pre_backward(name)

@@ -150,6 +150,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         train(args)
+        dist.barrier()  # every rank done with its collectives before any rank tears gloo down
     finally:
         dist.destroy_process_group()
 
@@ -168,6 +169,7 @@ def main(argv=None) -> None:
         dist.init_process_group(backend)
         try:
             train(args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return
