@@ -131,27 +131,27 @@ class DDP(_ModuleSystem):
 
 
 class FSDP2(_ModuleSystem):
+    """The same training script for both module APIs: only the fully_shard import differs (the drop-in)."""
+
     name = "fsdp2"
 
-    def __init__(self, cfg, mesh, device, x, y):
+    @staticmethod
+    def fully_shard(module, **kwargs):
         from torch.distributed.fsdp import fully_shard
 
-        model = cfg.build(device)
-        for blk in model.blocks:
-            fully_shard(blk, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        super().__init__(model, _adamw(model.parameters()), x, y)
-
-
-class FSFullyShard(_ModuleSystem):
-    name = "fs_fully_shard"
+        return fully_shard(module, **kwargs)
 
     def __init__(self, cfg, mesh, device, x, y):
         model = cfg.build(device)
         for blk in model.blocks:
-            funcshard.fully_shard(blk, mesh=mesh)
-        funcshard.fully_shard(model, mesh=mesh)
+            self.fully_shard(blk, mesh=mesh)
+        self.fully_shard(model, mesh=mesh)
         super().__init__(model, _adamw(model.parameters()), x, y)
+
+
+class FSFullyShard(FSDP2):
+    name = "fs_fully_shard"
+    fully_shard = staticmethod(funcshard.fully_shard)
 
 
 class FSApply:

@@ -243,9 +243,7 @@ def plan(
     shard_axis = mesh.ndim - 1
     world = mesh.size(shard_axis)
     named = _canonical_params(module)
-    aliases: dict[str, list[str]] = {}
-    for fqn, canon in named["alias"].items():
-        aliases.setdefault(canon, []).append(fqn)
+    aliases = named["paths"]
 
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
@@ -373,16 +371,16 @@ def check_mesh(mesh: DeviceMesh) -> None:
 
 
 def _canonical_params(module: nn.Module) -> dict[str, dict]:
-    """Every parameter once (first path wins), and every path -> canonical path (tied parameters)."""
+    """Every parameter once (first path wins), and canonical path -> all its paths (tied parameters)."""
     params: dict[str, nn.Parameter] = {}
     by_id: dict[int, str] = {}
-    alias: dict[str, str] = {}
+    paths: dict[str, list[str]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
         canon = by_id.setdefault(id(p), fqn)
-        alias[fqn] = canon
+        paths.setdefault(canon, []).append(fqn)
         if canon == fqn:
             params[fqn] = p
-    return {"params": params, "alias": alias}
+    return {"params": params, "paths": paths}
 
 
 def _owner(fqn: str, roots: Sequence[str]) -> str | None:
@@ -437,10 +435,7 @@ def _make_groups(
     mod_roots = list(seen)
     by_unit: dict[tuple[str, ...], list[str]] = {u: [] for u in units}
     root_params: list[str] = []
-    aliases: dict[str, list[str]] = {}
-    for fqn, canon in named["alias"].items():
-        aliases.setdefault(canon, []).append(fqn)
-    for canon, paths in aliases.items():
+    for canon, paths in named["paths"].items():
         owners = {_owner(p, mod_roots) for p in paths}
         units_of = {seen[o] if o is not None else None for o in owners}
         if len(units_of) == 1 and None not in units_of:
