@@ -5,9 +5,15 @@ that freeing them (``untyped_storage().resize_(0)``) and refilling them before b
 ``torch.func`` transforms too, where autograd only ever sees wrapped views of them.
 
 Autograd nodes per group:
-- ``_GroupGather``: shards -> unsharded parameters. Its backward is the group's post-backward: one
-  reduce-scatter per dtype of the parameters' gradients, divided once by ``plan.divide_factor``; then the
-  unsharded parameters are freed.
+- under plain autograd and ``torch.func.jvp``, ``_GroupGather``: shards -> unsharded parameters. Its backward
+  is the group's post-backward: one reduce-scatter per dtype of the parameters' gradients, divided once by
+  ``plan.divide_factor``; then the unsharded parameters are freed.
+- under a ``torch.func`` grad transform, one ``_StepGather`` for the whole step instead (each
+  ``autograd.Function`` call costs ~1 ms there: functorch builds a class and flattens pytrees per call). Its
+  outputs are the unsharded parameters of every group, with storage only while the group is gathered; each
+  parameter is used through a view whose gradient hook collects the gradient and hands autograd back
+  zeros (no storage), and the group's last hook runs the post-backward. ``_StepGather``'s backward, at the
+  end of backward, returns the reduce-scattered shards.
 - a gradient hook on the group's forward outputs: it fires before any backward op of the group, gathers
   the group again (if it was resharded) and issues the backward prefetches.
 """
@@ -46,7 +52,7 @@ class _GroupRuntime:
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "inputs_done",
-                 "grads_done")
+                 "grads_done", "fused", "expect", "grads", "got", "grad_shards")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -68,6 +74,13 @@ class _GroupRuntime:
         self.frozen = not all(state[p].requires_grad for p in group.params)
         self.trainable = any(state[p].requires_grad for p in group.params)
         self.inputs_done = self.grads_done = False
+        # the whole-step gather (under a torch.func grad transform): this group's outputs of _StepGather,
+        # the gradients collected by the views' hooks in the current backward, the reduce-scattered shards
+        self.fused: tuple[torch.Tensor, ...] | None = None
+        self.expect: int | None = None
+        self.grads: list | None = None
+        self.got = 0
+        self.grad_shards: list | None = None
 
 
 def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -94,6 +107,8 @@ class Step:
         self.in_forward = False
         self.hook_handles: list = []
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
+        self.fused = False  # set by run(): one _StepGather for the step (under a torch.func grad transform)
+        self._zeros: dict = {}
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
     def unshard(self, name: str) -> None:
@@ -198,9 +213,73 @@ class Step:
         self.wait(name)
         self.prefetch(name, backward=False)
         state = self.state
-        if gr.shards:
+        if not gr.shards:
+            pass
+        elif self.fused:
+            if gr.views is None:  # once per step: a group used again later reuses its views (gradients add up)
+                gr.views = self._hooked_views(name)
+        else:
             gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
         return gr.views
+
+    def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The group's parameters as views of its _StepGather outputs, each with the gradient hook that
+        collects it. The hook fires when the parameter's gradient is complete (before the view's backward
+        node runs), unlike a hook on the Function's outputs, which would wait for the end of backward."""
+        ref = weakref.ref(self)
+        views = []
+        for i, out in enumerate(self.groups[name].fused):
+            if out.requires_grad:
+                out = out.view(out.shape)
+                out.register_hook(_param_grad_hook(ref, name, i))
+            views.append(out)
+        return tuple(views)
+
+    def param_grad(self, name: str, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """One parameter's complete gradient (fused step). The group's last one runs its post-backward; the
+        gradient goes on to _StepGather's backward as zeros without storage, so the full gradients are freed
+        as soon as the reduce-scatter has read them."""
+        gr = self.groups[name]
+        if gr.expect is None:  # the first of this group in this backward: how many will come
+            gr.expect = sum(1 for v in gr.views if v.requires_grad and torch._C._will_engine_execute_node(v.grad_fn))
+            gr.grads, gr.got = [None] * len(gr.views), 0
+        gr.grads[i] = grad
+        gr.got += 1
+        if gr.got >= gr.expect:
+            grads, gr.grads, gr.expect = gr.grads, None, None
+            out = self.post_backward(name, grads)
+            if gr.grad_shards is None:
+                gr.grad_shards = out
+            else:  # a second backward through the same graph (retain_graph): the shards' gradients add up
+                gr.grad_shards = [a if b is None else b if a is None else a + b for a, b in zip(gr.grad_shards, out)]
+        key = (grad.shape, grad.dtype)  # one zero tensor per shape and dtype: the backward never writes to it
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = grad.new_zeros(()).expand(grad.shape)
+        return zeros
+
+    def fused_outputs(self) -> list[torch.Tensor]:
+        """_StepGather's forward: every group's unsharded parameters as views of padded buffers that have no
+        storage until the group is gathered (allocated one group at a time, views taken, storage freed)."""
+        outs = []
+        for gr in self.groups.values():
+            if not gr.shards:
+                continue
+            with no_functorch(), torch.no_grad():
+                gr.padded = gr.layout.new_buffers(gr.shards[0].device)
+                views = gr.layout.views(gr.padded)
+                for t in gr.padded:
+                    t.untyped_storage().resize_(0)
+            outs.extend(views)
+        return outs
+
+    def fused_shard_grads(self) -> list[torch.Tensor | None]:
+        out = []
+        for gr in self.groups.values():
+            if gr.shards:
+                out.extend(gr.grad_shards if gr.grad_shards is not None else [None] * len(gr.shards))
+                gr.grad_shards = None
+        return out
 
     def post_forward(self, name: str, output: Any) -> Any:
         gr = self.groups[name]
@@ -295,6 +374,12 @@ class Step:
                 self._rest(g.name, placeholders[g.name])
             # functional_call semantics, with the aliases of tied parameters resolved once by the plan
             # (torch.func.functional_call scans the whole module for ties on every call).
+            self.fused = _single_grad_level() and any(t.requires_grad for t in self.state.values())
+            if self.fused:
+                outs = _StepGather.apply(self, *[self.state[p] for g in plan.groups for p in g.params])
+                k = 0
+                for gr in self.groups.values():
+                    gr.fused, k = outs[k : k + len(gr.shards)], k + len(gr.shards)
             self.gather_for_forward(ROOT)
             self.swap_in(ROOT)
             self.in_forward = True
@@ -443,6 +528,37 @@ class _NotGathered(torch.Tensor):
 
 def _layouts(plan: Plan) -> dict[str, Buckets]:
     return _derived(plan)[0]
+
+
+def _param_grad_hook(ref, name: str, i: int):
+    def hook(grad):
+        step = ref()
+        return None if step is None else step.param_grad(name, i, grad)
+
+    return hook
+
+
+class _StepGather(torch.autograd.Function):
+    """All sharded parameters of a step -> its unsharded parameters (storage filled while a group is
+    gathered). Used under a torch.func grad transform only: there it replaces one ``_GroupGather`` per group."""
+
+    @staticmethod
+    def forward(step: Step, *shards: torch.Tensor):
+        return tuple(step.fused_outputs())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        step = ctx.step = inputs[0]
+        ctx.set_materialize_grads(False)
+        # parameters that take no gradient get none computed (inputs here are unwrapped: ask the step's state)
+        frozen = [o for o, t in zip(output, (step.state[p] for g in step.plan.groups for p in g.params))
+                  if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.step.fused_shard_grads())
 
 
 class _GroupGather(torch.autograd.Function):

@@ -143,6 +143,11 @@ class _Param:
             return DTensor.from_local(local, mesh, (Shard(self.spec.dim),), run_check=False, shape=shape,
                                       stride=stride)
 
+    def grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """A gradient with the parameter's DTensor spec, built directly (``from_local`` runs an autograd
+        Function and rebuilds the spec: ~70 us per parameter per step)."""
+        return DTensor(local, self.param._spec, requires_grad=False)
+
 
 class _Unit:
     """The modules of one ``fully_shard`` call, their parameters, and the unit's settings."""
@@ -341,7 +346,7 @@ class _Step(Step):
                 if o is None or not r.param.requires_grad or (g is None and not unit.reduce_unused):
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
                 if r.param.grad is None:
-                    r.param.grad = r.dtensor(r.local(o), unit.mesh)
+                    r.param.grad = r.grad_dtensor(r.local(o))
                 else:
                     r.param.grad.to_local().add_(r.local(o))
                 for hook in (getattr(r.param, "_post_accumulate_grad_hooks", None) or {}).values():

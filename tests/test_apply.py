@@ -225,7 +225,7 @@ class _Adapted(nn.Sequential):
         return torch.tanh(self[0](x) + self[2](self[1](x)))
 
 
-def _memory(depth, reshard, layout="per_param", frozen_weights=False):
+def _memory(depth, reshard, layout="per_param", frozen_weights=False, mode="backward"):
     from memtrack import PeakBytes
 
     torch.manual_seed(0)
@@ -244,7 +244,12 @@ def _memory(depth, reshard, layout="per_param", frozen_weights=False):
         out = funcshard.apply(plan, state, x)
     del out
     with PeakBytes(ignore) as step:
-        funcshard.apply(plan, state, x).sum().backward()
+        if mode == "backward":
+            funcshard.apply(plan, state, x).sum().backward()
+        else:
+            grads = torch.func.grad(lambda s: funcshard.apply(plan, s, x).sum())(state)
+            assert grads.keys() == state.keys()
+            del grads  # the sharded gradients count as in the .backward() run, where they stay on .grad
     fwd_peak, step_peak = fwd.peak, step.peak
     block = d * d * 4
     full = sum(p.numel() * 4 for p in model.parameters())
@@ -252,9 +257,9 @@ def _memory(depth, reshard, layout="per_param", frozen_weights=False):
     return fwd_peak, step_peak, block, full, sharded
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2])
-def test_peak_parameter_memory_bound(depth):
-    fwd_peak, step_peak, block, full, sharded = run_ranks(4, _memory, depth, True)[0]
+@pytest.mark.parametrize("depth,mode", [(0, "backward"), (1, "backward"), (2, "backward"), (0, "grad"), (2, "grad")])
+def test_peak_parameter_memory_bound(depth, mode):
+    fwd_peak, step_peak, block, full, sharded = run_ranks(4, _memory, depth, True, "per_param", False, mode)[0]
     root = 256 * 4
     slack = 64 * 1024  # activations and small tensors (batch of one)
     # Unsharded memory is (depth + 1) groups: a group's padded parameters plus the all-gather buffers of
@@ -604,9 +609,10 @@ def test_checkpoint_region_spanning_groups():
     assert run_ranks(2, _checkpoint_two_groups) == [0, 0]  # and no hook stays on the module
 
 
-def test_frozen_weights_keep_the_memory_bound():
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+def test_frozen_weights_keep_the_memory_bound(mode):
     """Groups whose weights take no gradient are freed once their inputs' gradients are done, not at the end
     of backward: the backward peak stays that of a few groups, not of the whole model."""
-    _, step_peak, block, full, sharded = run_ranks(4, _memory, 1, True, "per_param", True)[0]
+    _, step_peak, block, full, sharded = run_ranks(4, _memory, 1, True, "per_param", True, mode)[0]
     adapters = LAYERS * 2 * 256 * 4 * 4
     assert step_peak <= 2 * block + 256 * 4 + 3 * block + sharded + adapters + 64 * 1024, (step_peak / block)
