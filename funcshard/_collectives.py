@@ -230,6 +230,7 @@ class Buckets:
             by_dtype.setdefault(s.dtype, []).append(i)
         self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
+        self.dim0 = {dt: not self.flat and all(self.specs[i].dim == 0 for i in ix) for dt, ix in self.buckets}
         if self.flat:  # every rank's slice of the flat buffer has the same length, padding at the end
             self.chunk = {dt: math.ceil(self.specs[ix[0]].flat.total / self.world) for dt, ix in self.buckets}
             self.has_padding = {dt: self.chunk[dt] * self.world != self.specs[ix[0]].flat.total
@@ -274,13 +275,19 @@ class PendingGather:
         dsts, srcs = [], []
         for (dt, ix), out, work in zip(lay.buckets, self.outs, self.works):
             work.wait()
+            if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
+                with torch.no_grad():
+                    torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1,
+                                                out=[targets[i].view(lay.world, -1) for i in ix])
+                continue
             chunks = out.view(lay.world, -1).split(lay.numels[dt], dim=1)
             for i, c in zip(ix, chunks):
                 spec = lay.specs[i]
                 dsts.append(spec.split_view(targets[i]))
                 srcs.append(c.view(lay.world, *spec.local_shape))
-        with torch.no_grad():
-            torch._foreach_copy_(dsts, srcs)
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
         _free(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
 
