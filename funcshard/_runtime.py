@@ -52,7 +52,7 @@ class _GroupRuntime:
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "inputs_done",
-                 "grads_done", "fused", "expect", "grads", "got", "grad_shards")
+                 "grads_done", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -60,6 +60,7 @@ class _GroupRuntime:
         self.shards = [raw(state[p]) for p in group.params]
         self.padded: list[torch.Tensor] | None = None
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
+        self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
         self.status = _Status.SHARDED
         self.pending: PendingGather | None = None
         self.slots = slots
@@ -77,10 +78,13 @@ class _GroupRuntime:
         # the whole-step gather (under a torch.func grad transform): this group's outputs of _StepGather,
         # the gradients collected by the views' hooks in the current backward, the reduce-scattered shards
         self.fused: tuple[torch.Tensor, ...] | None = None
+        self.hooked: tuple | None = None  # the hooked views (weak references once a backward has ended)
+        self.task = -1  # the backward (graph task) that expect/grads/got/grad_shards belong to
         self.expect: int | None = None
         self.grads: list | None = None
         self.got = 0
         self.grad_shards: list | None = None
+        self.ran: list[bool] | None = None  # which hooked views received a gradient in the last backward
 
 
 def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -104,6 +108,7 @@ class Step:
         layouts, slots, _ = _derived(plan)
         self.groups = {g.name: _GroupRuntime(plan, g, layouts[g.name], slots[g.name], state) for g in plan.groups}
         self.backward_started = False
+        self.backward_task = -1
         self.in_forward = False
         self.hook_handles: list = []
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
@@ -213,11 +218,16 @@ class Step:
         self.wait(name)
         self.prefetch(name, backward=False)
         state = self.state
+        gr.views_grad = torch.is_grad_enabled()
         if not gr.shards:
             pass
         elif self.fused:
-            if gr.views is None:  # once per step: a group used again later reuses its views (gradients add up)
-                gr.views = self._hooked_views(name)
+            if not torch.is_grad_enabled():  # e.g. a no-grad recycling pass: no history, no hooks
+                gr.views = gr.fused
+            else:  # once per step: a group used again later reuses its views (gradients add up)
+                if gr.hooked is None:
+                    gr.hooked = self._hooked_views(name)
+                gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
         else:
             gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
         return gr.views
@@ -232,7 +242,9 @@ class Step:
             if out.requires_grad:
                 out = out.view(out.shape)
                 out.register_hook(_param_grad_hook(ref, name, i))
-            views.append(out)
+                views.append(out)
+            else:
+                views.append(None)
         return tuple(views)
 
     def param_grad(self, name: str, i: int, grad: torch.Tensor) -> torch.Tensor:
@@ -240,23 +252,38 @@ class Step:
         gradient goes on to _StepGather's backward as zeros without storage, so the full gradients are freed
         as soon as the reduce-scatter has read them."""
         gr = self.groups[name]
-        if gr.expect is None:  # the first of this group in this backward: how many will come
-            gr.expect = sum(1 for v in gr.views if v.requires_grad and torch._C._will_engine_execute_node(v.grad_fn))
-            gr.grads, gr.got = [None] * len(gr.views), 0
+        task = torch._C._current_graph_task_id()
+        if gr.task != task:  # the group's first gradient in this backward (what an aborted one left is dropped)
+            gr.task, gr.grad_shards, gr.got = task, None, 0
+            gr.expect = self._expected(gr)
+            gr.grads = [_UNSET] * len(gr.group.params)
         gr.grads[i] = grad
         gr.got += 1
-        if gr.got >= gr.expect:
-            grads, gr.grads, gr.expect = gr.grads, None, None
-            out = self.post_backward(name, grads)
-            if gr.grad_shards is None:
-                gr.grad_shards = out
-            else:  # a second backward through the same graph (retain_graph): the shards' gradients add up
-                gr.grad_shards = [a if b is None else b if a is None else a + b for a, b in zip(gr.grad_shards, out)]
+        if gr.got == gr.expect:
+            grads, gr.grads = gr.grads, None
+            gr.ran = [g is not _UNSET for g in grads]
+            gr.grad_shards = self.post_backward(name, [None if g is _UNSET else g for g in grads])
+        if grad is None:  # an undefined gradient (e.g. a custom Function returned None): counted, passed on
+            return None
         key = (grad.shape, grad.dtype)  # one zero tensor per shape and dtype: the backward never writes to it
         zeros = self._zeros.get(key)
         if zeros is None:
             zeros = self._zeros[key] = grad.new_zeros(()).expand(grad.shape)
         return zeros
+
+    @staticmethod
+    def _expected(gr: _GroupRuntime) -> int:
+        """How many of the group's hooked views get a gradient in the running backward."""
+        n = 0
+        for k, ref in enumerate(gr.hooked):
+            if ref is None:  # no hook (the parameter takes no gradient)
+                continue
+            v = ref() if isinstance(ref, weakref.ref) else ref
+            if v is not None:
+                n += torch._C._will_engine_execute_node(v.grad_fn)
+            else:  # a later backward through the same graph, and the view object is gone: as in the last one
+                n += gr.ran is None or gr.ran[k]
+        return n
 
     def fused_outputs(self) -> list[torch.Tensor]:
         """_StepGather's forward: every group's unsharded parameters as views of padded buffers that have no
@@ -275,9 +302,11 @@ class Step:
 
     def fused_shard_grads(self) -> list[torch.Tensor | None]:
         out = []
+        task = torch._C._current_graph_task_id()
         for gr in self.groups.values():
             if gr.shards:
-                out.extend(gr.grad_shards if gr.grad_shards is not None else [None] * len(gr.shards))
+                done = gr.grad_shards is not None and gr.task == task
+                out.extend(gr.grad_shards if done else [None] * len(gr.shards))
                 gr.grad_shards = None
         return out
 
@@ -310,8 +339,9 @@ class Step:
 
     # ---- backward --------------------------------------------------------------------------------
     def pre_backward(self, name: str) -> None:
-        if not self.backward_started:
-            self.backward_started = True
+        task = torch._C._current_graph_task_id()
+        if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
+            self.backward_started, self.backward_task = True, task
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
         self.unshard(name)
         self.wait(name)
@@ -350,6 +380,13 @@ class Step:
         for name, gr in self.groups.items():
             self.reshard(name)
             gr.inputs_done = gr.grads_done = False
+            if gr.views is not None and gr.hooked is not None:
+                # The graph holds _StepGather's node, which holds this step: strong references from the step
+                # back into the graph (the views) would be a cycle that Python's collector cannot see through
+                # (autograd nodes), leaking every step. A later backward through the same graph (vjp_fn called
+                # again) finds the views through these weak references, or counts as this backward did.
+                gr.hooked = tuple(None if v is None else weakref.ref(v) for v in gr.hooked)
+                gr.views = gr.fused = None
         self.backward_started = False
         _remove(self.hook_handles)
 
@@ -417,14 +454,15 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False):
     # cycle that outlives its process group until the garbage collector runs (gloo aborts on exit then).
     # The autograd graph keeps the step alive through its _GroupGather nodes while a backward can come.
     ref = weakref.ref(step)
-    fired = []
+    fired = [None]  # the backward (graph task) in which a once-per-call hook last fired
 
     def hook(grad):
         step = ref()
         if step is None:
             return None
-        if not (once and fired):
-            fired.append(True)
+        task = torch._C._current_graph_task_id()
+        if not once or fired[0] != task:
+            fired[0] = task
             step.pre_backward(name)
         if _single_grad_level():
             # torch.func.grad differentiates with create_graph=True (so transforms can nest); with a single
@@ -450,7 +488,8 @@ def _make_pre_hook(step: Step, name: str):
             return
         gr = step.groups[name]
         if step.in_forward:
-            if gr.fwd_started == 0 or gr.status is not _Status.GATHERED:  # first use, or again after a reshard
+            if (gr.fwd_started == 0 or gr.status is not _Status.GATHERED  # first use, or again after a reshard
+                    or (torch.is_grad_enabled() and not gr.views_grad)):  # or first used under no_grad
                 step.gather_for_forward(name)
             gr.fwd_started += 1
             step.swap_in(name)
@@ -528,6 +567,9 @@ class _NotGathered(torch.Tensor):
 
 def _layouts(plan: Plan) -> dict[str, Buckets]:
     return _derived(plan)[0]
+
+
+_UNSET = object()
 
 
 def _param_grad_hook(ref, name: str, i: int):
