@@ -207,7 +207,7 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
 # ---- bucketed per-group collectives (one collective per group and dtype) ------------------------
 
 
-def _free(buffers) -> None:
+def free_buffers(buffers) -> None:
     """Release communication buffers whose collective has completed."""
     for b in buffers:
         b.untyped_storage().resize_(0)
@@ -288,7 +288,7 @@ class PendingGather:
         if dsts:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
-        _free(self.outs)  # now, not when the process group's work objects let go of them
+        free_buffers(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
 
 
@@ -379,7 +379,7 @@ def reduce_scatter_grads(
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group)))
         for dt, ix, inp, out, work in pending:
             work.wait()
-            _free([inp])
+            free_buffers([inp])
             if divide != 1.0:
                 out.div_(divide)
             if layout.flat:

@@ -32,6 +32,7 @@ from torch import nn
 from funcshard._collectives import (
     Buckets,
     PendingGather,
+    free_buffers,
     gather_tangents,
     no_functorch,
     raw,
@@ -40,6 +41,7 @@ from funcshard._collectives import (
 )
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._spec import ShardingError
+
 
 class _Status(enum.Enum):
     SHARDED = "sharded"
@@ -170,8 +172,7 @@ class Step:
         if gr.status is _Status.GATHERING:  # never free memory a collective still writes to
             self.wait(name)
         with no_functorch():
-            for t in gr.padded:
-                t.untyped_storage().resize_(0)
+            free_buffers(gr.padded)
         gr.status = _Status.SHARDED
 
     def prefetch(self, name: str, *, backward: bool) -> None:
@@ -295,10 +296,13 @@ class Step:
             with no_functorch(), torch.no_grad():
                 gr.padded = gr.layout.new_buffers(gr.shards[0].device)
                 views = gr.layout.views(gr.padded)
-                for t in gr.padded:
-                    t.untyped_storage().resize_(0)
+                free_buffers(gr.padded)
             outs.extend(views)
         return outs
+
+    def fused_inputs(self) -> list[torch.Tensor]:
+        """_StepGather's inputs (and outputs) in order: every group's shards, group by group."""
+        return [self.state[p] for g in self.plan.groups for p in g.params]
 
     def fused_shard_grads(self) -> list[torch.Tensor | None]:
         out = []
@@ -413,7 +417,7 @@ class Step:
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.fused = _single_grad_level() and any(t.requires_grad for t in self.state.values())
             if self.fused:
-                outs = _StepGather.apply(self, *[self.state[p] for g in plan.groups for p in g.params])
+                outs = _StepGather.apply(self, *self.fused_inputs())
                 k = 0
                 for gr in self.groups.values():
                     gr.fused, k = outs[k : k + len(gr.shards)], k + len(gr.shards)
@@ -593,8 +597,7 @@ class _StepGather(torch.autograd.Function):
         step = ctx.step = inputs[0]
         ctx.set_materialize_grads(False)
         # parameters that take no gradient get none computed (inputs here are unwrapped: ask the step's state)
-        frozen = [o for o, t in zip(output, (step.state[p] for g in step.plan.groups for p in g.params))
-                  if not t.requires_grad]
+        frozen = [o for o, t in zip(output, step.fused_inputs()) if not t.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
 
