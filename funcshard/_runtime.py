@@ -16,6 +16,11 @@ Autograd nodes per group:
   end of backward, returns the reduce-scattered shards.
 - a gradient hook on the group's forward outputs: it fires before any backward op of the group, gathers
   the group again (if it was resharded) and issues the backward prefetches.
+
+The graph keeps its Step alive (each node's context holds it); the Step never keeps the graph alive past the
+forward or backward that uses it: that would be a reference cycle through autograd nodes, which Python's
+collector cannot break (every step leaked). ``_GroupGather`` saves its outputs, so a later use (activation
+checkpointing recomputing in a backward, possibly a second one through a retained graph) gets them back.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class _GroupRuntime:
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "inputs_done",
-                 "grads_done", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran")
+                 "grads_done", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran",
+                 "node")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -63,6 +69,10 @@ class _GroupRuntime:
         self.padded: list[torch.Tensor] | None = None
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
         self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
+        # The _GroupGather node that made the views (weakly), when the views carry autograd history. The step
+        # holds such views only while it uses them (see _loosen): they reference the node, whose context holds
+        # the step, a cycle Python's collector cannot see through. The node saved them, so they come back.
+        self.node: weakref.ref | None = None
         self.status = _Status.SHARDED
         self.pending: PendingGather | None = None
         self.slots = slots
@@ -182,7 +192,7 @@ class Step:
     # ---- module attributes -----------------------------------------------------------------------
     def swap_in(self, name: str) -> None:
         gr = self.groups[name]
-        if gr.swapped or gr.views is None:
+        if gr.swapped or (gr.views is None and self._saved_views(gr) is None):
             return
         originals = []
         for mod, attr, i in gr.slots:
@@ -191,6 +201,26 @@ class Step:
         if gr.originals is None:
             gr.originals = originals
         gr.swapped = True
+
+    @staticmethod
+    def _saved_views(gr: _GroupRuntime) -> tuple[torch.Tensor, ...] | None:
+        """The group's autograd-visible views again, from the node that made them (None: its graph is gone or
+        was freed by a backward, so no forward or backward can use them any more)."""
+        node = gr.node() if gr.node is not None else None
+        if node is None:
+            return None
+        try:
+            gr.views = node.saved_tensors
+        except RuntimeError:  # freed by a backward without retain_graph
+            gr.node = None
+        return gr.views
+
+    @staticmethod
+    def _loosen(gr: _GroupRuntime) -> None:
+        """Let go of views that carry autograd history once the forward (or backward) is done with them: they
+        would keep the graph, and through it this step, alive (see ``_GroupRuntime.node``)."""
+        if gr.node is not None and not gr.swapped:
+            gr.views = None
 
     def swap_out(self, name: str) -> None:
         gr = self.groups[name]
@@ -220,6 +250,7 @@ class Step:
         self.prefetch(name, backward=False)
         state = self.state
         gr.views_grad = torch.is_grad_enabled()
+        gr.node = None
         if not gr.shards:
             pass
         elif self.fused:
@@ -229,8 +260,13 @@ class Step:
                 if gr.hooked is None:
                     gr.hooked = self._hooked_views(name)
                 gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
-        else:
+        elif _functorch_level() is not None:  # torch.func.jvp
             gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
+        else:
+            with _saving_views():
+                gr.views = _EAGER[_GroupGather].apply(self, name, *[state[p] for p in gr.group.params])
+            node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
+            gr.node = None if node is None else weakref.ref(node)
         return gr.views
 
     def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -317,6 +353,7 @@ class Step:
     def post_forward(self, name: str, output: Any) -> Any:
         gr = self.groups[name]
         self.swap_out(name)
+        self._loosen(gr)
         if gr.group.reshard_after_forward:
             self.reshard(name)
         return self.wrap_for_backward(name, output)
@@ -383,6 +420,7 @@ class Step:
     def end_of_backward(self) -> None:
         for name, gr in self.groups.items():
             self.reshard(name)
+            self._loosen(gr)
             gr.inputs_done = gr.grads_done = False
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
@@ -432,9 +470,10 @@ class Step:
             self.in_forward = False
             if no_backward:
                 _remove(handles)
-            for name in self.groups:
+            for name, gr in self.groups.items():
                 self.swap_out(name)
                 self._rest(name, None)
+                self._loosen(gr)
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
         return self.wrap_for_backward(ROOT, out)
@@ -637,6 +676,7 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
     def forward(ctx, *inputs):
         out = fn.forward(*inputs)
         fn.setup_context(ctx, inputs, out)
+        ctx.save_for_backward(*out)  # not for backward: Step._saved_views gets the views back from here
         # outputs of shards that take no gradient get none computed (FSDP2 skips frozen gradients too)
         frozen = [o for o, i in zip(out, inputs[2:]) if isinstance(i, torch.Tensor) and not i.requires_grad]
         if frozen:
@@ -648,6 +688,30 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 
 
 _EAGER = {fn: _old_style(fn) for fn in (_GroupGather,)}
+
+
+def _pack_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # an alias without autograd history: the saved views hold no reference to their node
+
+
+def _unpack_view(t: torch.Tensor) -> torch.Tensor:
+    return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
+
+
+@contextlib.contextmanager
+def _saving_views():
+    """Save _GroupGather's outputs with our own hooks, not with saved-tensor hooks of the caller's (activation
+    checkpointing around a group would recompute its region to unpack them; save_on_cpu would copy them)."""
+    try:
+        cm = torch.autograd.graph.saved_tensors_hooks(_pack_view, _unpack_view)
+        cm.__enter__()
+    except RuntimeError:  # saved-tensor hooks disabled here: the views are saved as plain outputs
+        yield
+        return
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
 _functorch_level = torch._C._functorch.maybe_current_level
 
 

@@ -294,7 +294,7 @@ def _register_unsharded(step: Step, name: str) -> None:
     """Put the gathered (unpadded) parameters on the modules, outside autograd, as ``unshard()`` does."""
     gr = step.groups[name]
     with torch.no_grad():
-        gr.views = tuple(s.unpad(t) for s, t in zip(gr.layout.specs, gr.padded))
+        gr.views, gr.node = tuple(s.unpad(t) for s, t in zip(gr.layout.specs, gr.padded)), None
     step.swap_in(name)
 
 
@@ -311,6 +311,7 @@ class _Step(Step):
         """Free the group and put the sharded parameters back on the modules (outside forward/backward)."""
         self.reshard(name)
         self.swap_out(name)
+        self._loosen(self.groups[name])
 
     def unshard(self, name: str) -> None:
         if self.backward_started and not self.ctx.by_group[name].unshard_in_backward:
@@ -362,6 +363,7 @@ class _Step(Step):
             if (u := self.ctx.by_group.get(name)) is None or u.reshard_after_backward:
                 self.reshard(name)
             self.swap_out(name)
+            self._loosen(self.groups[name])
         self.backward_started, self.done = False, True
 
 

@@ -601,6 +601,14 @@ def _checkpoint_two_groups():
     for layout in ("per_param", "flat"):
         plan = funcshard.plan(model, _mesh(), groups=(Block,), layout=layout)
         _compare(ref, _train(plan, batches, F.mse_loss, "backward"), 1e-5)
+        # a second backward through the retained graph recomputes the region again: gradients add up
+        leaves = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
+        loss = F.mse_loss(funcshard.apply(plan, leaves, _local(batches[0][0])), _local(batches[0][1]))
+        loss.backward(retain_graph=True)
+        once = {k: v.grad.clone() for k, v in leaves.items()}
+        loss.backward()
+        for k, v in leaves.items():
+            torch.testing.assert_close(v.grad, 2 * once[k], msg=lambda m: f"{k}: {m}")
     hooks_left = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     return hooks_left
 
@@ -720,8 +728,16 @@ def _backward_edges():
         seen.append(weakref.ref(state["inp.weight"]))
         state = {k: v - 0.1 * grads[k] for k, v in state.items()}
     del grads
+    # nor do steps under plain autograd, with a backward or without one (a forward with grad enabled)
+    for backward in (True, False, True, False):
+        leaves = {k: v.detach().requires_grad_() for k, v in state.items()}
+        out = funcshard.apply(plan, leaves, x).square().sum()
+        if backward:
+            out.backward()
+        seen.append(weakref.ref(leaves["inp.weight"]))
+    del leaves, out
     gc.collect()
-    return checks, sum(r() is not None for r in seen[:-1])
+    return checks, sum(r() is not None for r in seen)
 
 
 def test_backward_edge_cases():

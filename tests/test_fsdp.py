@@ -302,6 +302,17 @@ def _checkpointing(fs, mesh):
     return _fit(_nested(fs, _Checkpointed(layers=3), mesh))
 
 
+def _twice(value):
+    value.backward(retain_graph=True)  # the second backward (by _fit) recomputes the regions again
+    return value
+
+
+def _checkpointing_retained(fs, mesh):
+    """Two backwards through one retained graph with checkpointed blocks: gradients add up."""
+    torch.manual_seed(20)
+    return _fit(_nested(fs, _Checkpointed(layers=3), mesh), loss=lambda p, y: _twice(F.mse_loss(p, y)))
+
+
 class _WithMethod(MLP):
     def features(self, x):  # not forward: needs register_fsdp_forward_method
         return self.out(self.blocks[1](self.blocks[0](self.inp(x))))
@@ -350,6 +361,7 @@ SCENARIOS = {
     "unshard_in_backward_false": _embedding_unit,
     "shard_placement_dim1": _shard_dim1,
     "activation_checkpointing": _checkpointing,
+    "checkpointing_two_backwards_retained_graph": _checkpointing_retained,
     "register_fsdp_forward_method": _forward_method,
     "blocks_only_no_root": _blocks_only,
     "two_forwards_one_backward": _two_forwards,
@@ -401,7 +413,35 @@ def test_prefetch_manual_unshard_and_units():
 
 def test_checkpointing_forward_methods_and_partial_wrapping():
     _check(2, ["activation_checkpointing", "register_fsdp_forward_method", "blocks_only_no_root",
-               "eval_under_inference_mode", "root_without_params_standalone_call", "two_forwards_one_backward"])
+               "eval_under_inference_mode", "root_without_params_standalone_call", "two_forwards_one_backward",
+               "checkpointing_two_backwards_retained_graph"])
+
+
+def _steps_left_alive():
+    """Live runtime Steps after training (with and without checkpointing) and after forwards with grad enabled
+    that no backward followed: the module keeps its current step, nothing else may survive."""
+    import gc
+
+    from funcshard._runtime import Step
+
+    def live():
+        gc.collect()
+        return sum(isinstance(o, Step) for o in gc.get_objects())
+
+    mesh, out, before = _mesh(), [], live()  # this worker process ran other tests before
+    for model in (MLP(layers=3), _Checkpointed(layers=3)):
+        _fit(_nested(funcshard, model, mesh))
+        for _ in range(3):
+            model(_mlp_batch(0)[0]).sum()  # evaluation without no_grad: graphs made, then dropped
+        out.append(live() - before)
+        del model
+    return out
+
+
+def test_no_step_outlives_its_graph():
+    """A Step must not keep itself alive through the autograd graph (one step leaked per training step, with
+    the views and hooks it holds, before the fix)."""
+    assert run_ranks(2, _steps_left_alive) == [[1, 2]] * 2  # the first model is alive in the loop
 
 
 def test_uneven_shards_on_four_ranks():
