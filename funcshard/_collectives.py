@@ -340,10 +340,13 @@ def _per_param_grad_copies(spec: ShardSpec, dst: torch.Tensor, g: torch.Tensor, 
 
 
 def reduce_scatter_grads(
-    layout: Buckets, grads: Sequence[torch.Tensor | None], group, divide: float, device: torch.device
+    layout: Buckets, grads: list[torch.Tensor | None], group, divide: float, device: torch.device
 ) -> list[torch.Tensor]:
     """Reduce-scatter (sum) a group's full gradients, one collective per dtype, divide once by ``divide``,
-    and return each parameter's local gradient shard (views into one flat buffer per dtype)."""
+    and return each parameter's local gradient shard (views into one flat buffer per dtype).
+
+    Consumes ``grads``: its entries are dropped once copied into the reduce-scatter input, before the output
+    is allocated (as FSDP2 does), so that a caller holding no other reference frees the full gradients first."""
     result: list[torch.Tensor | None] = [None] * len(layout.specs)
     pending = []
     world = layout.world
@@ -375,6 +378,9 @@ def reduce_scatter_grads(
                         _per_param_grad_copies(spec, c.view(world, *spec.local_shape), grads[i], dsts, srcs)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
+            dsts = srcs = None
+            for i in ix:
+                grads[i] = None
             out = torch.empty(n, dtype=dt, device=device)
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group)))
         for dt, ix, inp, out, work in pending:

@@ -124,6 +124,7 @@ class Step:
         self.in_forward = False
         self.hook_handles: list = []
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
+        self._take_grads_hooks = {g.name: _take_grads_hook(self, g.name) for g in plan.groups}
         self.fused = False  # set by run(): one _StepGather for the step (under a torch.func grad transform)
         self._zeros: dict = {}
 
@@ -266,7 +267,9 @@ class Step:
             with _saving_views():
                 gr.views = _EAGER[_GroupGather].apply(self, name, *[state[p] for p in gr.group.params])
             node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
-            gr.node = None if node is None else weakref.ref(node)
+            if node is not None:
+                gr.node = weakref.ref(node)
+                node.register_prehook(self._take_grads_hooks[name])
         return gr.views
 
     def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -297,16 +300,33 @@ class Step:
         gr.grads[i] = grad
         gr.got += 1
         if gr.got == gr.expect:
-            grads, gr.grads = gr.grads, None
-            gr.ran = [g is not _UNSET for g in grads]
-            gr.grad_shards = self.post_backward(name, [None if g is _UNSET else g for g in grads])
-        if grad is None:  # an undefined gradient (e.g. a custom Function returned None): counted, passed on
-            return None
-        key = (grad.shape, grad.dtype)  # one zero tensor per shape and dtype: the backward never writes to it
+            gr.ran = [g is not _UNSET for g in gr.grads]
+            grads, gr.grads = [None if g is _UNSET else g for g in gr.grads], None
+            gr.grad_shards = self.post_backward(name, grads)
+        return None if grad is None else self._zeros_like(grad)  # None: undefined (e.g. a custom Function's)
+
+    def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
+        """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
+        funcshard took over (the backward never writes to them)."""
+        key = (grad.shape, grad.dtype)
         zeros = self._zeros.get(key)
         if zeros is None:
             zeros = self._zeros[key] = grad.new_zeros(()).expand(grad.shape)
         return zeros
+
+    def take_grads(self, name: str, grads: tuple) -> tuple:
+        """_GroupGather's node pre-hook: keep the group's full gradients and hand autograd storage-less zeros, so
+        that the reduce-scatter in the node's backward holds the only reference and frees each gradient once
+        it is copied into the reduce-scatter input, before the output is allocated (FSDP2's order)."""
+        gr = self.groups[name]
+        gr.grads = list(grads)
+        return tuple(None if g is None else self._zeros_like(g) for g in grads)
+
+    def given_grads(self, name: str, grads: tuple) -> list:
+        """The gradients for the group's post-backward: those take_grads kept, or (no pre-hook) these."""
+        gr = self.groups[name]
+        kept, gr.grads = gr.grads, None
+        return kept if kept is not None else list(grads)
 
     @staticmethod
     def _expected(gr: _GroupRuntime) -> int:
@@ -389,18 +409,19 @@ class Step:
         self.swap_in(name)  # activation-checkpoint recomputation reads the module's attributes
         self.prefetch(name, backward=True)
 
-    def post_backward(self, name: str, grads) -> list[torch.Tensor]:
+    def post_backward(self, name: str, grads: list) -> list[torch.Tensor]:
+        """Free the group, then reduce-scatter its full gradients (consumes ``grads``): FSDP2's order, so that
+        the unsharded parameters are gone before the reduce-scatter's buffers are allocated."""
         gr = self.groups[name]
-        with no_functorch():
-            out = reduce_scatter_grads(gr.layout, [None if g is None else raw(g) for g in grads], self.pg,
-                                       self.plan.divide_factor, gr.shards[0].device)
+        grads[:] = [None if g is None else raw(g) for g in grads]  # in place (no loop variable left holding one)
         if not gr.frozen:
             self.reshard(name)
         else:  # frozen parameters may still be read by backward ops that do not reach here
             gr.grads_done = True
             if gr.inputs_done:
                 self.reshard(name)
-        return out
+        with no_functorch():
+            return reduce_scatter_grads(gr.layout, grads, self.pg, self.plan.divide_factor, gr.shards[0].device)
 
     def watch_inputs(self, name: str, args: tuple) -> None:
         """For a group with frozen parameters: free it once the gradients of its forward inputs are complete
@@ -513,6 +534,16 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False):
             # every finished group's saved activations and full gradients alive until backward ends.
             return grad.detach()
         return None  # the gradient passes unchanged
+
+    return hook
+
+
+def _take_grads_hook(step: Step, name: str):
+    ref = weakref.ref(step)  # the graph keeps the step alive through the node's context
+
+    def hook(grads):
+        step = ref()
+        return None if step is None else step.take_grads(name, grads)
 
     return hook
 
@@ -661,7 +692,7 @@ class _GroupGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.step.post_backward(ctx.name, grads))
+        return (None, None, *ctx.step.post_backward(ctx.name, ctx.step.given_grads(ctx.name, grads)))
 
     @staticmethod
     def jvp(ctx, _step, _name, *tangents):

@@ -326,7 +326,8 @@ class _Step(Step):
     def post_backward(self, name: str, grads) -> list[None]:
         unit, gr = self.ctx.by_group[name], self.groups[name]
         paths = gr.group.params
-        grads = [None if g is None else raw(g) for g in grads]
+        # in place: the reduce-scatter consumes the list (frees the gradients); no loop variable holds one
+        grads[:] = [None if g is None else raw(g) for g in grads]
         if not unit.sync:  # accumulate unsharded; the next synced backward reduce-scatters the sum
             with torch.no_grad():
                 for p, g in zip(paths, grads):
@@ -338,13 +339,14 @@ class _Step(Step):
             if p in unit.acc:
                 grads[i] = unit.acc.pop(p) if grads[i] is None else unit.acc.pop(p).add_(grads[i])
         factor = unit.divide_factor if unit.divide_factor is not None else self.plan.divide_factor
+        had = [g is not None for g in grads]
+        self._after_backward(name, unit)  # the unsharded parameters go first (FSDP2's order)
         with no_functorch():
             out = reduce_scatter_grads(gr.layout, grads, self.pg, factor, gr.shards[0].device)
-        self._after_backward(name, unit)
         with torch.no_grad():
-            for p, g, o in zip(paths, grads, out):
+            for p, g, o in zip(paths, had, out):
                 r = self.ctx.recs[p]
-                if o is None or not r.param.requires_grad or (g is None and not unit.reduce_unused):
+                if o is None or not r.param.requires_grad or (not g and not unit.reduce_unused):
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
                 if r.param.grad is None:
                     r.param.grad = r.grad_dtensor(r.local(o))

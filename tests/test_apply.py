@@ -746,3 +746,51 @@ def test_backward_edge_cases():
     for checks, leaked in run_ranks(2, _backward_edges):
         assert all(checks), checks
         assert leaked == 0
+
+
+def _grads_alive_at_reduce_scatter():
+    """How many full parameter gradients are still alive whenever a reduce-scatter is issued (plain autograd:
+    apply + .backward(), and fully_shard)."""
+    import weakref
+    from unittest import mock
+
+    import funcshard._collectives as C
+
+    refs, alive = [], []
+
+    def watch(module, args):  # after the runtime's own pre-hook: the module holds the unsharded parameters
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                p.register_hook(lambda g: refs.append(weakref.ref(g)))
+
+    issue = C.reduce_scatter_into
+
+    def counted(out, inp, group, async_op=True):
+        alive.append(sum(r() is not None for r in refs))
+        return issue(out, inp, group, async_op)
+
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    x = torch.randn(4, 7)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    for m in model.modules():
+        m.register_forward_pre_hook(watch)
+    with mock.patch.object(C, "reduce_scatter_into", counted):
+        funcshard.apply(plan, leaves, x).square().sum().backward()
+        fs_model = MLP(layers=3)
+        for b in fs_model.blocks:
+            funcshard.fully_shard(b, mesh=_mesh())
+        funcshard.fully_shard(fs_model, mesh=_mesh())
+        for m in fs_model.modules():
+            m.register_forward_pre_hook(watch)
+        fs_model(x).square().sum().backward()
+    return len(refs), alive
+
+
+def test_full_gradients_are_freed_before_the_reduce_scatter():
+    """The full gradients of a group are freed once copied into the reduce-scatter input, before the output
+    is allocated and the collective runs (FSDP2's order): autograd gets storage-less zeros in their place."""
+    for seen, alive in run_ranks(2, _grads_alive_at_reduce_scatter):
+        assert seen == 2 * 16 and len(alive) == 2 * 4, (seen, alive)
+        assert alive == [0] * 8
