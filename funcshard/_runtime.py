@@ -163,11 +163,14 @@ class Step:
             self.unshard(name)
         if gr.status is _Status.GATHERING:
             with no_functorch(), torch.no_grad():
+                fresh = gr.padded is None  # new buffers: nothing can have saved them yet
                 if not gr.layout.flat:
                     self._allocate(gr)
-                # Refilling tensors autograd saved for backward: their version must not change.
-                with _preserve_versions(gr.padded):
+                if fresh:
                     gr.pending.finish(gr.padded)
+                else:  # refilling tensors autograd saved for backward: their version must not change
+                    with _preserve_versions(gr.padded):
+                        gr.pending.finish(gr.padded)
                 if gr.versions is not None:
                     gr.versions.__exit__(None, None, None)
                     gr.versions = None
