@@ -310,20 +310,22 @@ class Step:
 
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
-        funcshard took over (the backward never writes to them)."""
+        funcshard took over (the backward never writes to them; a tensor hook cannot return None for that)."""
         key = (grad.shape, grad.dtype)
         zeros = self._zeros.get(key)
         if zeros is None:
-            zeros = self._zeros[key] = grad.new_zeros(()).expand(grad.shape)
+            zero = self._zeros.get(grad.dtype)  # one element per dtype, expanded to every shape
+            if zero is None:
+                zero = self._zeros[grad.dtype] = grad.new_zeros(())
+            zeros = self._zeros[key] = zero.expand(grad.shape)
         return zeros
 
     def take_grads(self, name: str, grads: tuple) -> tuple:
-        """_GroupGather's node pre-hook: keep the group's full gradients and hand autograd storage-less zeros, so
+        """_GroupGather's node pre-hook: keep the group's full gradients and hand autograd undefined ones, so
         that the reduce-scatter in the node's backward holds the only reference and frees each gradient once
         it is copied into the reduce-scatter input, before the output is allocated (FSDP2's order)."""
-        gr = self.groups[name]
-        gr.grads = list(grads)
-        return tuple(None if g is None else self._zeros_like(g) for g in grads)
+        self.groups[name].grads = list(grads)
+        return (None,) * len(grads)
 
     def given_grads(self, name: str, grads: tuple) -> list:
         """The gradients for the group's post-backward: those take_grads kept, or (no pre-hook) these."""
