@@ -71,6 +71,19 @@ def check_transforms(what: str) -> None:
     )
 
 
+def check_backward_transforms(what: str) -> None:
+    """The same rule for the backward: a vjp function called under vmap (torch.func.jacrev, vmap over
+    vjp_fn) hands the sharded gather batched cotangents, which its reduce-scatter would fold together."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    if stack and any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack):
+        raise NotImplementedError(
+            f"the backward of {what} ran under vmap (torch.func.jacrev or jacfwd over it, or vmap over a vjp "
+            f"function): batched cotangents through the sharded gather are not built yet. Call the vjp function "
+            f"once per cotangent, or gather the parameters (funcshard.gather) and take the jacobian of the "
+            f"unsharded function"
+        )
+
+
 def _group_of(where) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -355,6 +368,9 @@ def reduce_scatter_grads(
             if not (dt.is_floating_point or dt.is_complex):
                 continue  # integer parameters have no gradient
             n = layout.chunk[dt]
+            for i in ix:
+                if grads[i] is not None and grads[i].layout is not torch.strided:
+                    grads[i] = grads[i].to_dense()  # e.g. nn.Embedding(sparse=True): shards are dense slices
             missing = any(grads[i] is None for i in ix)
             # dim-0 shards: torch._chunk_cat writes the padded rank-major layout (padding included) in one op
             chunk_cat = not layout.flat and not missing and all(

@@ -37,6 +37,7 @@ from torch import nn
 from funcshard._collectives import (
     Buckets,
     PendingGather,
+    check_backward_transforms,
     free_buffers,
     gather_tangents,
     no_functorch,
@@ -283,7 +284,7 @@ class Step:
         views = []
         for i, out in enumerate(self.groups[name].fused):
             if out.requires_grad:
-                out = out.view(out.shape)
+                out = torch.ops.aten.alias(out)  # AliasBackward passes any gradient on (sparse too)
                 out.register_hook(_param_grad_hook(ref, name, i))
                 views.append(out)
             else:
@@ -297,6 +298,7 @@ class Step:
         gr = self.groups[name]
         task = torch._C._current_graph_task_id()
         if gr.task != task:  # the group's first gradient in this backward (what an aborted one left is dropped)
+            check_backward_transforms("funcshard.apply")
             gr.task, gr.grad_shards, gr.got = task, None, 0
             gr.expect = self._expected(gr)
             gr.grads = [_UNSET] * len(gr.group.params)
@@ -312,6 +314,8 @@ class Step:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
         funcshard took over (the backward never writes to them; a tensor hook cannot return None for that)."""
         key = (grad.shape, grad.dtype)
+        if grad.layout is not torch.strided:  # e.g. nn.Embedding(sparse=True): sparse zeros (nothing stored)
+            return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device, layout=grad.layout)
         zeros = self._zeros.get(key)
         if zeros is None:
             zero = self._zeros.get(grad.dtype)  # one element per dtype, expanded to every shape

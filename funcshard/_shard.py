@@ -6,7 +6,15 @@ from collections.abc import Mapping
 
 import torch
 
-from funcshard._collectives import Buckets, check_transforms, gather_tangents, no_functorch, raw, reduce_scatter_grads
+from funcshard._collectives import (
+    Buckets,
+    check_backward_transforms,
+    check_transforms,
+    gather_tangents,
+    no_functorch,
+    raw,
+    reduce_scatter_grads,
+)
 from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
 from funcshard._spec import ShardingError
 
@@ -99,6 +107,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        check_backward_transforms("funcshard.gather")
         with no_functorch():
             out = reduce_scatter_grads(ctx.layout, [None if g is None else raw(g) for g in grads], ctx.pg, 1.0,
                                        ctx.device)

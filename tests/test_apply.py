@@ -473,6 +473,8 @@ def _transforms():
         lambda: torch.func.grad(lambda s: torch.func.grad(f)(s)["ln.bias"].sum())(state),
         lambda: torch.func.vmap(lambda xi: torch.func.grad(lambda s: funcshard.apply(plan, s, xi[None]).sum())(state))(x),
         lambda: torch.func.grad(lambda s: torch.func.grad(lambda t: funcshard.gather(plan, t)["ln.bias"].sum())(s)["ln.bias"].sum())(state),
+        lambda: torch.func.jacrev(lambda s: funcshard.apply(plan, s, x).tanh().sum(-1))(state),  # vmap over vjp_fn
+        lambda: torch.func.jacrev(lambda s: funcshard.gather(plan, s)["ln.bias"])(state),
     ):
         try:
             nested()
@@ -491,6 +493,8 @@ def test_first_order_transforms_and_nested_refusal():
     assert re.search(r"funcshard\.apply runs under a single torch\.func .* called under grad inside grad", msgs[0])
     assert re.search(r"funcshard\.apply .* called under grad inside vmap", msgs[1])
     assert re.search(r"funcshard\.gather .* called under grad inside grad", msgs[2])
+    assert re.search(r"the backward of funcshard\.apply ran under vmap .* batched cotangents .* not built yet", msgs[3])
+    assert re.search(r"the backward of funcshard\.gather ran under vmap", msgs[4])
 
 
 class _BlockWithEmpty(Block):
@@ -794,3 +798,54 @@ def test_full_gradients_are_freed_before_the_reduce_scatter():
     for seen, alive in run_ranks(2, _grads_alive_at_reduce_scatter):
         assert seen == 2 * 16 and len(alive) == 2 * 4, (seen, alive)
         assert alive == [0] * 8
+
+
+class _SparseEmb(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(10, 6, sparse=True)
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, i):
+        return self.l(self.e(i))
+
+
+class _SparseModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = _SparseEmb()
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, i):
+        return self.out(self.emb(i))
+
+
+def _sparse_gradients():
+    torch.manual_seed(0)
+    model = _SparseModel()
+    i = torch.randint(0, 10, (4,))  # the same on every rank (same seed)
+    full = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    torch.func.functional_call(model, full, (i,)).square().sum().backward()
+    ref = {k: v.grad.to_dense() for k, v in full.items()}
+    assert full["emb.e.weight"].grad.is_sparse  # the reference really has a sparse gradient
+    plan = funcshard.plan(model, _mesh(), groups=(_SparseEmb,))
+    state = funcshard.shard(plan)
+    want = funcshard.shard(plan, ref)
+    grads = torch.func.grad(lambda s: funcshard.apply(plan, s, i).square().sum())(state)
+    leaves = {k: v.detach().requires_grad_() for k, v in state.items()}
+    funcshard.apply(plan, leaves, i).square().sum().backward()
+    fs_model = copy.deepcopy(model)
+    funcshard.fully_shard(fs_model.emb, mesh=_mesh())
+    funcshard.fully_shard(fs_model, mesh=_mesh())
+    fs_model(i).square().sum().backward()
+    fs = {k: p.grad.full_tensor() for k, p in fs_model.named_parameters()}
+    return ([torch.allclose(grads[k], want[k], atol=1e-5) for k in state]
+            + [torch.allclose(leaves[k].grad, want[k], atol=1e-5) for k in state]
+            + [torch.allclose(fs[k], ref[k], atol=1e-5) for k in ref])
+
+
+def test_sparse_embedding_gradients():
+    """nn.Embedding(sparse=True) inside a group: its gradient is reduce-scattered densely (a shard is a dense
+    slice), under torch.func.grad, .backward() and fully_shard (same batch on every rank: equal to one process)."""
+    for checks in run_ranks(2, _sparse_gradients):
+        assert all(checks) and len(checks) == 3 * 5, checks
