@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 LOSS_TOL = 1e-5
+FS_SYSTEMS = ("fs_apply", "fs_apply_torchfunc", "fs_fully_shard")  # funcshard's systems, each held to the targets
 
 # ---- what runs --------------------------------------------------------------------------------------------
 
@@ -338,7 +339,8 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
         sy = r["systems"]
         f = sy.get("fsdp2", {})
         for name, thr, label in (("fs_fully_shard", 0.9, "fully_shard step time <= 0.9x FSDP2"),
-                                 ("fs_apply", 0.85, "apply step time <= 0.85x FSDP2")):
+                                 ("fs_apply", 0.85, "apply step time <= 0.85x FSDP2"),
+                                 ("fs_apply_torchfunc", 0.85, "apply under torch.func.grad step time <= 0.85x FSDP2")):
             rec = sy.get(name, {})
             if rec.get("status") != "ok":
                 out.append({"target": label, "where": where, "value": None, "threshold": thr,
@@ -346,7 +348,7 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
                 continue
             v = rec.get("ratio_vs_fsdp2")
             add(label, where, v, thr, v is not None and v <= thr)
-        for name in ("fs_apply", "fs_fully_shard"):
+        for name in FS_SYSTEMS:
             rec = sy.get(name, {})
             if rec.get("status") != "ok" or f.get("status") != "ok":
                 continue
@@ -360,7 +362,7 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
                                     f"{theirs.get('reduce_scatter', 0) / 2**20:.3f} MiB")
         if r["model"]["name"].startswith("tiny"):
             fo = f.get("overhead_per_group_s")
-            for name in ("fs_apply", "fs_fully_shard"):
+            for name in FS_SYSTEMS:
                 rec = sy.get(name, {})
                 if rec.get("status") != "ok" or fo is None:
                     continue
@@ -381,7 +383,7 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
                     "threshold": 0.5, "status": "NOT RUN", "note": "no GPU on this machine"})
     for r in cuda1:
         where = f"CUDA W=1 {r['model']['name']}"
-        for name in ("fs_apply", "fs_fully_shard"):
+        for name in FS_SYSTEMS:
             rec = r["systems"].get(name, {})
             if rec.get("status") == "ok":
                 v = rec.get("vs_unsharded")
@@ -389,7 +391,7 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
     for r in fake:
         where = f"fake-PG W=8 {r['device']} {r['model']['name']}"
         fo = r["systems"].get("fsdp2", {}).get("overhead_per_group_s")
-        for name in ("fs_apply", "fs_fully_shard"):
+        for name in FS_SYSTEMS:
             rec = r["systems"].get(name, {})
             if rec.get("status") != "ok" or not fo:
                 continue
@@ -502,7 +504,7 @@ def plot(runs: list, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
         return False
-    names = ["ddp", "fs_apply", "fs_fully_shard"]
+    names = ["ddp", *FS_SYSTEMS]
     labels = [f"W={r['world']} {r['backend']}\n{r['model']['name']}" for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     width = 0.8 / len(names)
@@ -520,7 +522,7 @@ def plot(runs: list, path: Path) -> bool:
         ax.legend(fontsize=8)
     over = [r for r in runs if r["model"]["name"].startswith("tiny")]
     ax = axes[2]
-    on = ["fsdp2", "fs_apply", "fs_fully_shard", "ddp"]
+    on = ["fsdp2", *FS_SYSTEMS, "ddp"]
     w2 = 0.8 / len(on)
     for j, n in enumerate(on):
         vals = [(r["systems"].get(n, {}).get("overhead_per_group_s") or 0) * 1e3 for r in over]

@@ -233,7 +233,7 @@ class FSApplyPrefetch0(S.FSApply):
         def loss_fn(state, x, y):
             return S._loss(__import__("funcshard").apply(plan, state, x), y)
 
-        self.step_fn = torch.func.grad_and_value(loss_fn)
+        self.step_fn = self.grad_transform(loss_fn)
 
 
 class _OptPhase:
@@ -242,7 +242,7 @@ class _OptPhase:
     @staticmethod
     def fs(sysobj):
         def step():
-            grads, loss = sysobj.step_fn(sysobj.state, sysobj.x, sysobj.y)
+            loss, grads = sysobj.step_fn(sysobj.state, sysobj.x, sysobj.y)
             with PH.phase(OPTIM):
                 sysobj.update(grads)
             return loss.detach()

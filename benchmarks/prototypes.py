@@ -220,7 +220,7 @@ def _variant(patches):
     def make(sysobj, ph, optim_phase):
         def step():
             with _patched(*patches()):
-                grads, loss = sysobj.step_fn(sysobj.state, sysobj.x, sysobj.y)
+                loss, grads = sysobj.step_fn(sysobj.state, sysobj.x, sysobj.y)
             with ph.phase(optim_phase):
                 sysobj.update(grads)
             return loss.detach()

@@ -9,9 +9,13 @@ the same global batch, and exposes ``step() -> local loss`` (one forward, backwa
                   its all-reduces go through ``torch.distributed.all_reduce`` and are counted)
 * ``fsdp2``       torch's ``fully_shard`` on each Block, then on the root; ``torch.optim.AdamW(foreach=True)``
 * ``fs_apply``    ``funcshard.plan(groups=(Block,))`` + ``shard`` + ``apply`` under
-                  ``torch.func.grad_and_value`` + ``funcshard.optim.adamw`` (with ``donate=True`` as the demo
-                  does, when funcshard.optim has it); the planned module lives on the meta device (the
-                  idiomatic memory-lean setup: only the shards hold data)
+                  ``funcshard.value_and_grad`` (first-order, plain autograd underneath: what the demo uses)
+                  + ``funcshard.optim.adamw`` (with ``donate=True`` as the demo does, when funcshard.optim
+                  has it); the planned module lives on the meta device (the idiomatic memory-lean setup: only
+                  the shards hold data)
+* ``fs_apply_torchfunc`` the same under ``torch.func.grad_and_value`` (the path that composes with other
+                  torch.func transforms; it pays torch.func's per-op wrapping and keeps the graph's saved
+                  tensors until backward ends, as it differentiates with create_graph=True)
 * ``fs_fully_shard`` ``funcshard.fully_shard`` (FSDP2's module API) on each Block, then on the root, when it
                   exists; ``torch.optim.AdamW(foreach=True)``
 """
@@ -32,8 +36,8 @@ from funcshard.demo import GPT, Block
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 SEED = 1234
 
-ALL_SYSTEMS = ("unsharded", "ddp", "fsdp2", "fs_apply", "fs_fully_shard")
-SHARDED = ("fsdp2", "fs_apply", "fs_fully_shard")
+ALL_SYSTEMS = ("unsharded", "ddp", "fsdp2", "fs_apply", "fs_apply_torchfunc", "fs_fully_shard")
+SHARDED = ("fsdp2", "fs_apply", "fs_apply_torchfunc", "fs_fully_shard")
 
 
 @dataclass(frozen=True)
@@ -174,12 +178,19 @@ class FSApply:
         def loss_fn(state, x, y):
             return _loss(funcshard.apply(plan, state, x), y)
 
-        self.step_fn = torch.func.grad_and_value(loss_fn)
+        self.step_fn = self.grad_transform(loss_fn)
         self.x, self.y = x, y
         self.donate = DONATE
 
+    @staticmethod
+    def grad_transform(loss_fn):
+        """(state, x, y) -> (loss, grads)."""
+        if hasattr(funcshard, "value_and_grad"):
+            return funcshard.value_and_grad(loss_fn)
+        return FSApplyTorchFunc.grad_transform(loss_fn)
+
     def step(self) -> torch.Tensor:
-        grads, loss = self.step_fn(self.state, self.x, self.y)
+        loss, grads = self.step_fn(self.state, self.x, self.y)
         self.update(grads)
         return loss.detach()
 
@@ -190,6 +201,20 @@ class FSApply:
         kw = {"donate": True} if self.donate else {}
         updates, self.opt_state = self.tx.update(grads, self.opt_state, self.state, **kw)
         self.state = optim.apply_updates(self.state, updates, **kw)
+
+
+class FSApplyTorchFunc(FSApply):
+    name = "fs_apply_torchfunc"
+
+    @staticmethod
+    def grad_transform(loss_fn):
+        grad_and_value = torch.func.grad_and_value(loss_fn)
+
+        def step(*args):
+            grads, loss = grad_and_value(*args)
+            return loss, grads
+
+        return step
 
 
 def _has_donate() -> bool:
@@ -203,7 +228,8 @@ def _has_donate() -> bool:
 DONATE = _has_donate()
 
 
-BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fs_apply": FSApply, "fs_fully_shard": FSFullyShard}
+BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fs_apply": FSApply,
+            "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard}
 
 
 def available(name: str) -> str | None:

@@ -3,12 +3,14 @@
     plan = funcshard.plan(model, mesh, groups=(Block,))      # specs, groups, schedule: frozen data
     state = funcshard.shard(plan)                            # dict[str, Tensor] of this rank's shards
     loss = lambda s, x, y: F.cross_entropy(funcshard.apply(plan, s, x), y)
-    grads = torch.func.grad(loss)(state, x, y)              # sharded, averaged over ranks
+    loss_value, grads = funcshard.value_and_grad(loss)(state, x, y)   # sharded, averaged over ranks
+    # (torch.func.grad(loss)(state, x, y) works too, and composes with other torch.func transforms)
 """
 
 from funcshard import optim
 from funcshard._apply import apply
 from funcshard._collectives import all_gather, all_reduce, reduce_scatter
+from funcshard._grad import value_and_grad
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard
 from funcshard._spec import ShardingError, ShardSpec
@@ -43,4 +45,5 @@ __all__ = [
     "reduce_scatter",
     "register_fsdp_forward_method",
     "shard",
+    "value_and_grad",
 ]

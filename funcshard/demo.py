@@ -102,7 +102,7 @@ def train(args) -> None:
         logits = funcshard.apply(plan, s, x)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    step_fn = torch.func.grad_and_value(loss_fn)
+    step_fn = funcshard.value_and_grad(loss_fn)  # first-order, plain autograd underneath (torch.func.grad works too)
     if rank == 0:
         print(f"funcshard demo: GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
               f"{args.layers} blocks, {world} ranks ({dist.get_backend()} on {device.type}), "
@@ -112,7 +112,7 @@ def train(args) -> None:
     t0 = time.perf_counter()
     first = None
     for i, (x, y) in enumerate(batches(args.seq, args.batch, rank, world, args.steps, device), 1):
-        grads, loss = step_fn(state, x, y)
+        loss, grads = step_fn(state, x, y)
         # donate=True: the old updates, optimizer state and shards are reused in place (JAX's donation)
         updates, opt_state = tx.update(grads, opt_state, state, donate=True)
         state = optim.apply_updates(state, updates, donate=True)

@@ -64,6 +64,8 @@ def _train(plan, batches, loss_fn, mode, lr=1e-2):
         x, y = _local(x), _local(y)
         if mode == "grad":
             grads, loss = torch.func.grad_and_value(local_loss)(state, x, y)
+        elif mode == "value_and_grad":
+            loss, grads = funcshard.value_and_grad(local_loss)(state, x, y)
         else:
             leaves = {k: v.detach().requires_grad_() for k, v in state.items()}
             loss = local_loss(leaves, x, y)
@@ -93,7 +95,7 @@ def _parity_matrix():
             for depth in (0, 1, 2):
                 plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard, prefetch=depth,
                                       layout=layout)
-                for mode in ("grad", "backward"):
+                for mode in ("grad", "backward", "value_and_grad"):
                     _compare(ref, _train(plan, batches, F.mse_loss, mode), 1e-5)
                     done.append((layout, reshard, depth, mode))
     return done
@@ -103,7 +105,7 @@ def _parity_matrix():
 def test_parity_with_single_process(world):
     """10 steps, losses and final parameters within 1e-5 of one process on the global batch, for both
     layouts, reshard after forward or not, prefetch depth 0/1/2, torch.func.grad and loss.backward()."""
-    assert len(run_ranks(world, _parity_matrix)[0]) == 24
+    assert len(run_ranks(world, _parity_matrix)[0]) == 36
 
 
 def _gpt_parity(tied, use_checkpoint):
@@ -124,7 +126,7 @@ def _gpt_parity(tied, use_checkpoint):
     ref = _reference(model, batches, loss_fn)
     group_cls = _Checkpointed if use_checkpoint == "around" else GPTBlock
     plan = funcshard.plan(model, _mesh(), groups=(group_cls,))
-    modes = ("backward",) if use_checkpoint else ("grad", "backward")
+    modes = ("backward", "value_and_grad") if use_checkpoint else ("grad", "backward", "value_and_grad")
     for mode in modes:
         _compare(ref, _train(plan, batches, loss_fn, mode), 1e-5)
     return len(plan.groups)
@@ -246,6 +248,9 @@ def _memory(depth, reshard, layout="per_param", frozen_weights=False, mode="back
     with PeakBytes(ignore) as step:
         if mode == "backward":
             funcshard.apply(plan, state, x).sum().backward()
+        elif mode == "value_and_grad":
+            _, grads = funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).sum())(state)
+            del grads
         else:
             grads = torch.func.grad(lambda s: funcshard.apply(plan, s, x).sum())(state)
             assert grads.keys() == state.keys()
@@ -257,7 +262,8 @@ def _memory(depth, reshard, layout="per_param", frozen_weights=False, mode="back
     return fwd_peak, step_peak, block, full, sharded
 
 
-@pytest.mark.parametrize("depth,mode", [(0, "backward"), (1, "backward"), (2, "backward"), (0, "grad"), (2, "grad")])
+@pytest.mark.parametrize("depth,mode", [(0, "backward"), (1, "backward"), (2, "backward"), (0, "grad"), (2, "grad"),
+                                        (0, "value_and_grad")])
 def test_peak_parameter_memory_bound(depth, mode):
     fwd_peak, step_peak, block, full, sharded = run_ranks(4, _memory, depth, True, "per_param", False, mode)[0]
     root = 256 * 4
