@@ -116,6 +116,19 @@ class Plan:
         _check_schedule(new)
         return new
 
+    def with_order(self, names: Sequence[str]) -> Plan:
+        """A copy whose non-root groups run in this order (the root stays first): the default prefetch, forward
+        and backward, follows the plan's group order. Groups not named keep their order, after the named ones."""
+        for n in names:
+            self.group(n)
+        rest = [g for g in self.groups[1:] if g.name not in set(names)]
+        return self.replace(groups=(self.groups[0], *(self.group(n) for n in names), *rest))
+
+    def order_differs(self, names: Sequence[str]) -> bool:
+        """Whether groups that ran in the order ``names`` ran out of the plan's order."""
+        seen = set(names)
+        return [g.name for g in self.groups if g.name in seen] != list(names)
+
     def with_group(self, name: str, **changes: Any) -> Plan:
         """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``."""
         self.group(name)

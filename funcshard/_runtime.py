@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 import weakref
 from typing import Any
 
@@ -127,6 +128,7 @@ class Step:
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
         self._take_grads_hooks = {g.name: _take_grads_hook(self, g.name) for g in plan.groups}
         self.fused = False  # set by run(): one _StepGather for the step (under a torch.func grad transform)
+        self.order: list[str] = []  # the non-root groups in the order their forward first ran
         self._zeros: dict = {}
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
@@ -250,6 +252,8 @@ class Step:
     # ---- forward ---------------------------------------------------------------------------------
     def gather_for_forward(self, name: str) -> tuple[torch.Tensor, ...]:
         gr = self.groups[name]
+        if name != ROOT and name not in self.order:
+            self.order.append(name)
         self.unshard(name)
         self.wait(name)
         self.prefetch(name, backward=False)
@@ -506,7 +510,22 @@ class Step:
                 self._loosen(gr)
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
+        if plan.order_differs(self.order):
+            _warn_order(plan, self.order)
         return self.wrap_for_backward(ROOT, out)
+
+
+def _warn_order(plan: Plan, order: list[str]) -> None:
+    """Once per plan: its groups ran out of the plan's order, so the default prefetch gathers the wrong ones."""
+    if plan.__dict__.get("_funcshard_order_warned"):
+        return
+    plan.__dict__["_funcshard_order_warned"] = True
+    warnings.warn(
+        f"funcshard.apply: the groups' forwards ran in the order {tuple(order)}, not in the plan's order "
+        f"{tuple(g.name for g in plan.groups[1:])}; prefetching follows the plan, so it gathers groups early that "
+        f"are not next (more memory, less overlap). Use plan = plan.with_order({tuple(order)!r})",
+        stacklevel=3,
+    )
 
 
 def _remove(handles: list) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import no_functorch, raw, reduce_scatter_grads
-from funcshard._plan import ROOT, check_mesh
+from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
 from funcshard._spec import ShardSpec
@@ -213,6 +213,8 @@ class _Context:
             raise RuntimeError(f"fully_shard needs a single root module, but the outermost call got the modules "
                                f"{top.name()}; call fully_shard on their common parent last")
         self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
+        self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
+        self._ordered: dict[tuple[str, ...], Plan] = {}
         root = top.modules[0]
         paths = {id(m): n for n, m in root.named_modules()}
         self.units: list[_Unit] = []
@@ -252,7 +254,13 @@ class _Context:
                                                else rsf[g.name]) for g in self.base.groups)
             self._plan = self.base.replace(groups=groups, forward_prefetch_lists=self._lists("forward"),
                                            backward_prefetch_lists=self._lists("backward"))
-        return self._plan
+            self._ordered = {}
+        if not self.order:
+            return self._plan
+        hit = self._ordered.get(self.order)  # a model alternating between two orders reuses both plans
+        if hit is None:
+            hit = self._ordered[self.order] = self._plan.with_order([n for n in self.order if n in self.by_group])
+        return hit
 
     def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
         out = {}
@@ -294,6 +302,8 @@ class _Context:
                     step.reshard(name)
         step.graph = step.graph or torch.is_grad_enabled()
         self.fwd_root = None
+        if self.plan().order_differs(step.order):  # as FSDP2 records the forward order: prefetch follows it
+            self.order = tuple(step.order)
 
 
 def _adopt(new: Step, old: Step, name: str) -> None:

@@ -855,3 +855,45 @@ def test_sparse_embedding_gradients():
     slice), under torch.func.grad, .backward() and fully_shard (same batch on every rank: equal to one process)."""
     for checks in run_ranks(2, _sparse_gradients):
         assert all(checks) and len(checks) == 3 * 5, checks
+
+
+class _ReversedMLP(MLP):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in reversed(self.blocks):
+            h = b(h)
+        return self.out(h)
+
+
+def _order_warning():
+    import warnings
+
+    torch.manual_seed(0)
+    model = _ReversedMLP(layers=3)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    x = torch.randn(4, 7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = funcshard.apply(plan, state, x)
+        funcshard.apply(plan, state, x)  # once per plan
+    msgs = [str(w.message) for w in caught if "order" in str(w.message)]
+    fixed = plan.with_order(("blocks.2", "blocks.1", "blocks.0"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = funcshard.apply(fixed, state, x)
+    quiet = not [w for w in caught if "order" in str(w.message)]
+    prefetch = [fixed.prefetch_after(n) for n in ("", "blocks.2", "blocks.1")]
+    return msgs, quiet, torch.equal(out, again), prefetch
+
+
+def test_groups_out_of_plan_order_warn_once():
+    """apply keeps the plan's schedule (it is data), but says when the groups ran in another order and how to
+    give the plan that order (then the prefetch follows it)."""
+    msgs, quiet, same, prefetch = run_ranks(2, _order_warning)[0]
+    assert len(msgs) == 1 and re.search(
+        r"forwards ran in the order \('blocks\.2', 'blocks\.1', 'blocks\.0'\), not in the plan's order "
+        r"\('blocks\.0', 'blocks\.1', 'blocks\.2'\).*plan\.with_order\(\('blocks\.2', 'blocks\.1', 'blocks\.0'\)\)",
+        msgs[0])
+    assert quiet and same
+    assert prefetch == [("blocks.2",), ("blocks.1",), ("blocks.0",)]

@@ -313,6 +313,21 @@ def _checkpointing_retained(fs, mesh):
     return _fit(_nested(fs, _Checkpointed(layers=3), mesh), loss=lambda p, y: _twice(F.mse_loss(p, y)))
 
 
+class _Reversed(MLP):
+    """Blocks run in the reverse of their registration order (the plan's order until the runtime sees one)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in reversed(self.blocks):
+            h = b(h)
+        return self.out(h)
+
+
+def _reversed_order(fs, mesh):
+    torch.manual_seed(21)
+    return _fit(_nested(fs, _Reversed(layers=3), mesh))
+
+
 class _WithMethod(MLP):
     def features(self, x):  # not forward: needs register_fsdp_forward_method
         return self.out(self.blocks[1](self.blocks[0](self.inp(x))))
@@ -365,6 +380,7 @@ SCENARIOS = {
     "register_fsdp_forward_method": _forward_method,
     "blocks_only_no_root": _blocks_only,
     "two_forwards_one_backward": _two_forwards,
+    "forward_order_not_registration_order": _reversed_order,
 }
 
 
@@ -414,7 +430,7 @@ def test_prefetch_manual_unshard_and_units():
 def test_checkpointing_forward_methods_and_partial_wrapping():
     _check(2, ["activation_checkpointing", "register_fsdp_forward_method", "blocks_only_no_root",
                "eval_under_inference_mode", "root_without_params_standalone_call", "two_forwards_one_backward",
-               "checkpointing_two_backwards_retained_graph"])
+               "checkpointing_two_backwards_retained_graph", "forward_order_not_registration_order"])
 
 
 def _steps_left_alive():
@@ -546,6 +562,14 @@ def _schedule():
             with torch.no_grad():
                 m(_mlp_batch(0)[0])
             out[name] = log.take(("AG", "fwd", "unshard()"))
+        # blocks that run in reverse: the first forward prefetches in module order, later ones in the order seen
+        torch.manual_seed(0)
+        m = _nested(funcshard, _Reversed(layers=3), mesh)
+        for i, b in enumerate(m.blocks):
+            b.register_forward_pre_hook(lambda mod, args, i=i: log.events.append(f"fwd blocks.{i}"))
+        for _ in range(2):
+            m(_mlp_batch(0)[0]).sum().backward()
+            out.setdefault("order_recorded", []).append(log.take(("AG", "fwd")))
     return out
 
 
@@ -565,6 +589,11 @@ def test_settings_change_the_schedule():
                                      "fwd blocks.1", "fwd blocks.2"]
     assert out["order_manual"][:2] == ["AG blocks.2", "unshard() returned"]
     assert "AG blocks.2" not in out["order_manual"][2:]
+    first, second = out["order_recorded"]
+    assert first[:3] == ["AG <root>", "AG blocks.0", "AG blocks.2"]  # module order: blocks.0 gathered too early
+    assert second == ["AG <root>", "AG blocks.2", "AG blocks.1", "fwd blocks.2", "AG blocks.0", "fwd blocks.1",
+                      "fwd blocks.0",  # forward, in the order seen; backward: reverse of it, one ahead
+                      "AG blocks.0", "AG blocks.1", "AG blocks.2"], second
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------
