@@ -37,6 +37,16 @@ class MLP(nn.Module):
         return self.out(h)
 
 
+class ReversedMLP(MLP):
+    """Blocks run in the reverse of their registration order (the plan's default group order)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in reversed(self.blocks):
+            h = b(h)
+        return self.out(h)
+
+
 class Leafy(nn.Module):
     """A module tree built from a list of parameter specs: (path, shape, dtype), plus integer buffers."""
 

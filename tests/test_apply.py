@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import funcshard
 from funcshard import ShardingError, optim
 from funcshard._collectives import Buckets
-from models import GPT, MLP, Block, GPTBlock
+from models import GPT, MLP, Block, GPTBlock, ReversedMLP
 from multirank import run_ranks
 from test_foundation import CollectiveCounter
 
@@ -857,19 +857,11 @@ def test_sparse_embedding_gradients():
         assert all(checks) and len(checks) == 3 * 5, checks
 
 
-class _ReversedMLP(MLP):
-    def forward(self, x):
-        h = self.inp(x)
-        for b in reversed(self.blocks):
-            h = b(h)
-        return self.out(h)
-
-
 def _order_warning():
     import warnings
 
     torch.manual_seed(0)
-    model = _ReversedMLP(layers=3)
+    model = ReversedMLP(layers=3)
     plan = funcshard.plan(model, _mesh(), groups=(Block,))
     state = funcshard.shard(plan)
     x = torch.randn(4, 7)

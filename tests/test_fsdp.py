@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import funcshard
-from models import GPT, MLP, Block
+from models import GPT, MLP, Block, ReversedMLP
 from multirank import run_ranks
 
 TOL = 1e-6
@@ -313,19 +313,9 @@ def _checkpointing_retained(fs, mesh):
     return _fit(_nested(fs, _Checkpointed(layers=3), mesh), loss=lambda p, y: _twice(F.mse_loss(p, y)))
 
 
-class _Reversed(MLP):
-    """Blocks run in the reverse of their registration order (the plan's order until the runtime sees one)."""
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in reversed(self.blocks):
-            h = b(h)
-        return self.out(h)
-
-
 def _reversed_order(fs, mesh):
     torch.manual_seed(21)
-    return _fit(_nested(fs, _Reversed(layers=3), mesh))
+    return _fit(_nested(fs, ReversedMLP(layers=3), mesh))
 
 
 class _WithMethod(MLP):
@@ -564,7 +554,7 @@ def _schedule():
             out[name] = log.take(("AG", "fwd", "unshard()"))
         # blocks that run in reverse: the first forward prefetches in module order, later ones in the order seen
         torch.manual_seed(0)
-        m = _nested(funcshard, _Reversed(layers=3), mesh)
+        m = _nested(funcshard, ReversedMLP(layers=3), mesh)
         for i, b in enumerate(m.blocks):
             b.register_forward_pre_hook(lambda mod, args, i=i: log.events.append(f"fwd blocks.{i}"))
         for _ in range(2):
