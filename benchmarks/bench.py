@@ -68,7 +68,7 @@ TINY_Q = S.ModelConfig("tiny-13g", 128, 32, 2, 12, 16, 1)
 # (model, repeats, timed steps per repeat)
 CPU_PLAN = {
     2: [(TINY, 7, 2), (M10, 5, 1), (M100, 3, 1)],
-    4: [(TINY, 5, 2), (M10, 3, 1), (M30, 3, 1)],
+    4: [(TINY, 5, 2), (M10, 5, 1), (M30, 3, 1)],  # gpt-10M: 5 repeats in both worlds
 }
 CPU_PLAN_QUICK = {
     2: [(TINY_Q, 5, 2), (SMALL, 3, 2)],

@@ -67,7 +67,10 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
             raise ValueError(f"value_and_grad: {fn.__name__} must return a scalar tensor (one element), got "
                              f"{shape}; reduce it (e.g. .mean()) or use torch.func.vjp for vector outputs")
         flat = [leaf for leaves in inputs for leaf in leaves]
-        grads = torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True) if flat else ()
+        if flat and value.requires_grad:
+            grads = torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True)
+        else:  # the value does not depend on the arguments (as torch.func.grad: zeros)
+            grads = tuple(torch.zeros_like(leaf) for leaf in flat)
         out_grads, k = [], 0
         for leaves, spec in zip(inputs, specs):
             out_grads.append(optree.tree_unflatten(spec, list(grads[k : k + len(leaves)])))

@@ -16,7 +16,7 @@ from multirank import run_ranks
 pytestmark = pytest.mark.cuda
 
 
-def _gpu_parity():
+def _gpu_parity(mode):
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     nccl = dist.new_group(backend="nccl")
@@ -40,7 +40,10 @@ def _gpu_parity():
         def loss_fn(s):
             return F.cross_entropy(funcshard.apply(plan, s, x).flatten(0, 1), y.flatten())
 
-        grads, loss = torch.func.grad_and_value(loss_fn)(state)
+        if mode == "torch.func":
+            grads, loss = torch.func.grad_and_value(loss_fn)(state)
+        else:
+            loss, grads = funcshard.value_and_grad(loss_fn)(state)
         updates, opt_state = tx.update(grads, opt_state, state)
         state = optim.apply_updates(state, updates)
         ropt.zero_grad()
@@ -54,8 +57,9 @@ def _gpu_parity():
     return losses, err
 
 
-def test_gpu_parity_nccl():
-    losses, err = run_ranks(1, _gpu_parity)[0]
+@pytest.mark.parametrize("mode", ["torch.func", "value_and_grad"])
+def test_gpu_parity_nccl(mode):
+    losses, err = run_ranks(1, _gpu_parity, mode)[0]
     for a, b in losses:
         assert abs(a - b) < 1e-4
     assert err < 1e-4

@@ -44,6 +44,13 @@ def test_argnums_has_aux_and_unused_leaves():
     assert torch.equal(gp["unused"], torch.zeros(2))  # no dependence: zeros, as torch.func.grad gives
 
 
+def test_no_dependence_gives_zeros():
+    p, x = _params(), torch.randn(5, 3)
+    value, grads = funcshard.value_and_grad(lambda p, x: x.sum())(p, x)
+    ref_grads, ref_value = torch.func.grad_and_value(lambda p, x: x.sum())(p, x)
+    torch.testing.assert_close((value, grads), (ref_value, ref_grads))
+
+
 def test_composes_inside_torch_func_transforms():
     """Under a transform it defers to torch.func.grad_and_value: per-example gradients with vmap."""
     p, xs = _params(), torch.randn(4, 5, 3)
