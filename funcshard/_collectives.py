@@ -84,6 +84,17 @@ def check_backward_transforms(what: str) -> None:
         )
 
 
+def check_batched_grads(what: str, grads) -> None:
+    """Plain autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True)) hands the sharded
+    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's."""
+    g = next((g for g in grads if g is not None), None)
+    if g is not None and "Batched" in repr(torch._C._dispatch_keys(g)):  # (the key is not in Python's enum)
+        raise NotImplementedError(
+            f"the backward of {what} got batched gradients (torch.autograd.grad(..., is_grads_batched=True)): "
+            f"batched cotangents through the sharded gather are not built yet; call torch.autograd.grad once per "
+            f"cotangent (retain_graph=True)")
+
+
 def _group_of(where) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -394,7 +405,7 @@ def reduce_scatter_grads(
                         _per_param_grad_copies(spec, c.view(world, *spec.local_shape), grads[i], dsts, srcs)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
-            dsts = srcs = None
+            dsts = srcs = g = None  # (g: the flat branch's loop variable holds the last gradient)
             for i in ix:
                 grads[i] = None
             out = torch.empty(n, dtype=dt, device=device)

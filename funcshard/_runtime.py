@@ -39,6 +39,7 @@ from funcshard._collectives import (
     Buckets,
     PendingGather,
     check_backward_transforms,
+    check_batched_grads,
     free_buffers,
     gather_tangents,
     no_functorch,
@@ -60,8 +61,8 @@ class _GroupRuntime:
     """One group's buffers and state within a step."""
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
-                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "inputs_done",
-                 "grads_done", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran",
+                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "uses",
+                 "inputs_left", "nodes", "nodes_left", "unwatched", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran",
                  "node")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
@@ -88,7 +89,11 @@ class _GroupRuntime:
         # the group's reduce-scatter, so it is freed only once its inputs' gradients are complete too.
         self.frozen = not all(state[p].requires_grad for p in group.params)
         self.trainable = any(state[p].requires_grad for p in group.params)
-        self.inputs_done = self.grads_done = False
+        # A frozen group is freed in backward once every use's input gradients are done (inputs_left: watched
+        # uses still to go; unwatched: a use whose inputs could not be watched, so only the end of backward)
+        # and its post-backward ran for every gather that made autograd history (nodes_left).
+        self.uses = self.inputs_left = self.nodes = self.nodes_left = 0
+        self.unwatched = False
         # the whole-step gather (under a torch.func grad transform): this group's outputs of _StepGather,
         # the gradients collected by the views' hooks in the current backward, the reduce-scattered shards
         self.fused: tuple[torch.Tensor, ...] | None = None
@@ -268,6 +273,8 @@ class Step:
             else:  # once per step: a group used again later reuses its views (gradients add up)
                 if gr.hooked is None:
                     gr.hooked = self._hooked_views(name)
+                    gr.nodes += 1  # one post-backward per backward for the whole step
+                    gr.nodes_left += 1
                 gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
         elif _functorch_level() is not None:  # torch.func.jvp
             gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
@@ -278,6 +285,8 @@ class Step:
             if node is not None:
                 gr.node = weakref.ref(node)
                 node.register_prehook(self._take_grads_hooks[name])
+                gr.nodes += 1  # this gather's node runs the group's post-backward once
+                gr.nodes_left += 1
         return gr.views
 
     def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -412,6 +421,18 @@ class Step:
         return output
 
     # ---- backward --------------------------------------------------------------------------------
+    def recomputing(self) -> bool:
+        """Inside this step's running backward (a backward that raised half-way leaves backward_started set;
+        a later forward must not take this step's hooks for recomputation)."""
+        return self.backward_started and torch._C._current_graph_task_id() == self.backward_task
+
+    def check_recompute(self, name: str) -> None:
+        if torch.is_grad_enabled() and not self.groups[name].views_grad:
+            raise NotImplementedError(
+                f"group {name!r} is recomputed with grad enabled during backward, but its forward ran without "
+                f"grad: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) is "
+                f"not supported (its gradients would be lost); use use_reentrant=False")
+
     def pre_backward(self, name: str) -> None:
         task = torch._C._current_graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
@@ -427,12 +448,7 @@ class Step:
         the unsharded parameters are gone before the reduce-scatter's buffers are allocated."""
         gr = self.groups[name]
         grads[:] = [None if g is None else raw(g) for g in grads]  # in place (no loop variable left holding one)
-        if not gr.frozen:
-            self.reshard(name)
-        else:  # frozen parameters may still be read by backward ops that do not reach here
-            gr.grads_done = True
-            if gr.inputs_done:
-                self.reshard(name)
+        self._grads_done(name)
         with no_functorch():
             return reduce_scatter_grads(gr.layout, grads, self.pg, self.plan.divide_factor, gr.shards[0].device)
 
@@ -441,21 +457,40 @@ class Step:
         (then no backward op of the group can still read its parameters), and its own gradients are
         reduce-scattered if it has any (FSDP2 does the same with a Function on the module's inputs)."""
         gr = self.groups[name]
+        if not gr.frozen or not torch.is_grad_enabled():
+            return
         inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if gr.frozen and inputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads: self._inputs_done(name), mode="all")
+        if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
+            gr.unwatched = True
+            return
+        gr.uses += 1
+        gr.inputs_left += 1
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads: self._inputs_done(name), mode="all")
 
     def _inputs_done(self, name: str) -> None:
+        self.groups[name].inputs_left -= 1
+        self._release_frozen(name)
+
+    def _grads_done(self, name: str) -> None:
+        """The group's post-backward ran: free it, unless frozen parameters may still be read by backward ops
+        that do not reach here (then once every use's inputs are done too)."""
         gr = self.groups[name]
-        gr.inputs_done = True
-        if gr.grads_done or not gr.trainable:
+        if not gr.frozen:
+            self.reshard(name)
+            return
+        gr.nodes_left -= 1
+        self._release_frozen(name)
+
+    def _release_frozen(self, name: str) -> None:
+        gr = self.groups[name]
+        if gr.inputs_left <= 0 and not gr.unwatched and (gr.nodes_left <= 0 or not gr.trainable):
             self.reshard(name)
 
     def end_of_backward(self) -> None:
         for name, gr in self.groups.items():
             self.reshard(name)
             self._loosen(gr)
-            gr.inputs_done = gr.grads_done = False
+            gr.inputs_left, gr.nodes_left = gr.uses, gr.nodes  # for another backward through a retained graph
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through
@@ -479,6 +514,12 @@ class Step:
                 handles.append(mod.register_forward_pre_hook(_make_pre_hook(self, g.name), prepend=True))
                 handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
         weakref.finalize(self, _remove, handles)
+        steps = plan.__dict__.setdefault("_funcshard_steps", weakref.WeakSet())
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside some backward
+            for old in list(steps):
+                if old.backward_started:  # its backward raised half-way: finish it (free, unhook) now
+                    old.end_of_backward()
+        steps.add(self)
         no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
         root = self.groups[ROOT]
         placeholders = _derived(plan)[2]
@@ -596,7 +637,8 @@ def _make_pre_hook(step: Step, name: str):
             gr.fwd_started += 1
             step.swap_in(name)
             step.watch_inputs(name, args)
-        elif step.backward_started:  # activation-checkpoint recomputation during this step's backward
+        elif step.recomputing():  # activation-checkpoint recomputation during this step's backward
+            step.check_recompute(name)
             step.unshard(name)
             step.wait(name)
             step.swap_in(name)
@@ -617,7 +659,7 @@ def _make_post_hook(step: Step, name: str):
             if gr.fwd_done >= len(gr.group.modules):
                 return step.post_forward(name, output)
             return step.wrap_for_backward(name, output)
-        if step.backward_started:  # recomputation: the group stays gathered until its post-backward
+        if step.recomputing():  # recomputation: the group stays gathered until its post-backward
             step.swap_out(name)
         return None
 
@@ -720,7 +762,9 @@ class _GroupGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.step.post_backward(ctx.name, ctx.step.given_grads(ctx.name, grads)))
+        grads = ctx.step.given_grads(ctx.name, grads)
+        check_batched_grads("funcshard.apply", grads)
+        return (None, None, *ctx.step.post_backward(ctx.name, grads))
 
     @staticmethod
     def jvp(ctx, _step, _name, *tangents):

@@ -384,8 +384,15 @@ class _Step(Step):
         return [None] * len(grads)  # the gradients live on the DTensor parameters, not on the state
 
     def _after_backward(self, name: str, unit: _Unit) -> None:
-        if unit.reshard_after_backward and not self.groups[name].frozen:
-            self.reshard(name)
+        self._grads_done(name)
+
+    def _release_frozen(self, name: str) -> None:
+        if self.ctx.by_group[name].reshard_after_backward:
+            super()._release_frozen(name)
+
+    def _grads_done(self, name: str) -> None:
+        if self.ctx.by_group[name].reshard_after_backward or self.groups[name].frozen:
+            super()._grads_done(name)  # (frozen: counted; freed only with reshard_after_backward)
 
     def end_of_backward(self) -> None:
         for name in self.groups:
@@ -423,6 +430,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     name = unit.group
     if _in_backward():  # activation-checkpoint recomputation: the group's pre-backward gathered it
         if name is not None and ctx.step is not None:
+            ctx.step.check_recompute(name)
             ctx.step.wait(name)
             ctx.step.swap_in(name)
         return None
@@ -440,6 +448,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
             step.swap_out(name)  # parameters registered by unshard() make way for autograd-visible ones
             step.gather_for_forward(name)
         step.swap_in(name)
+        step.watch_inputs(name, args)  # a group with frozen parameters is freed once its inputs' gradients are done
     return moved
 
 

@@ -782,12 +782,13 @@ def _grads_alive_at_reduce_scatter():
     torch.manual_seed(0)
     model = MLP(layers=3)
     x = torch.randn(4, 7)
-    plan = funcshard.plan(model, _mesh(), groups=(Block,))
-    leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
     for m in model.modules():
         m.register_forward_pre_hook(watch)
     with mock.patch.object(C, "reduce_scatter_into", counted):
-        funcshard.apply(plan, leaves, x).square().sum().backward()
+        for layout in ("per_param", "flat"):
+            plan = funcshard.plan(model, _mesh(), groups=(Block,), layout=layout)
+            leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+            funcshard.apply(plan, leaves, x).square().sum().backward()
         fs_model = MLP(layers=3)
         for b in fs_model.blocks:
             funcshard.fully_shard(b, mesh=_mesh())
@@ -801,9 +802,9 @@ def _grads_alive_at_reduce_scatter():
 def test_full_gradients_are_freed_before_the_reduce_scatter():
     """The full gradients of a group are freed once copied into the reduce-scatter input, before the output
     is allocated and the collective runs (FSDP2's order): autograd gets storage-less zeros in their place."""
-    for seen, alive in run_ranks(2, _grads_alive_at_reduce_scatter):
-        assert seen == 2 * 16 and len(alive) == 2 * 4, (seen, alive)
-        assert alive == [0] * 8
+    for seen, alive in run_ranks(2, _grads_alive_at_reduce_scatter):  # apply (both layouts), fully_shard
+        assert seen == 3 * 16 and len(alive) == 3 * 4, (seen, alive)
+        assert alive == [0] * 12
 
 
 class _SparseEmb(nn.Module):
@@ -889,3 +890,93 @@ def test_groups_out_of_plan_order_warn_once():
         msgs[0])
     assert quiet and same
     assert prefetch == [("blocks.2",), ("blocks.1",), ("blocks.0",)]
+
+
+class _FailOnce(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.fail:
+            _FailOnce.fail = False
+            raise RuntimeError("simulated failure in backward")
+        return g
+
+
+class _SharedFrozen(nn.Module):
+    """One block used twice (weight sharing), with a frozen weight (LoRA-style), then one used once."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.other, self.out = nn.Linear(7, 6), Block(6), Block(6), nn.Linear(6, 3)
+        self.shared.l1.weight.requires_grad_(False)
+
+    reentrant = False
+
+    def forward(self, x):
+        h = self.shared(self.shared(self.inp(x)))
+        h = checkpoint(self.other, h, use_reentrant=True) if self.reentrant else self.other(h)
+        return self.out(_FailOnce.apply(h))
+
+
+def _robust_backward():
+    """Later steps after a backward that raised; a frozen group used twice; reentrant checkpointing refused;
+    batched gradients refused."""
+    torch.manual_seed(0)
+    model = _SharedFrozen()
+    x = torch.randn(4, 7)
+    full = {k: v.detach().requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
+    torch.func.functional_call(model, full, (x,)).square().sum().backward()
+    ref = {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in full.items()}
+    checks = []
+    for reshard in (True, False):
+        plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard)
+        want = funcshard.shard(plan, ref)
+        state = {k: v.requires_grad_(model.get_parameter(k).requires_grad) for k, v in funcshard.shard(plan).items()}
+        _FailOnce.fail = True
+        leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            funcshard.apply(plan, leaves, x).square().sum().backward()  # e.g. a caught out-of-memory
+        for _ in range(2):
+            leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}
+            funcshard.apply(plan, leaves, x).square().sum().backward()
+            checks.append(all(torch.allclose(leaves[k].grad, want[k], atol=1e-5) for k in want if state[k].requires_grad))
+        train = {k: v for k, v in state.items() if v.requires_grad}
+        frozen = {k: v for k, v in state.items() if not v.requires_grad}
+        _, grads = funcshard.value_and_grad(lambda t, f: funcshard.apply(plan, {**t, **f}, x).square().sum())(train, frozen)
+        checks.append(all(torch.allclose(grads[k], want[k], atol=1e-5) for k in train))
+    errors = []
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
+    for attempt in ("reentrant", "batched"):
+        try:
+            if attempt == "reentrant":
+                model.reentrant = True
+                try:
+                    funcshard.apply(plan, state, x).square().sum().backward()
+                finally:
+                    model.reentrant = False
+            else:
+                out = funcshard.apply(plan, state, x)
+                torch.autograd.grad(out, list(state.values()), torch.eye(3).reshape(3, 1, 3).expand(3, 4, 3),
+                                    is_grads_batched=True, allow_unused=True)
+            errors.append("no error")
+        except NotImplementedError as e:
+            errors.append(str(e))
+    return checks, errors
+
+
+def test_backward_robustness():
+    """After a backward that raised half-way, later steps are right (the aborted step no longer answers the
+    modules' hooks); a group with frozen weights used twice is freed only after both uses' backward;
+    reentrant checkpointing and batched gradients raise instead of losing gradients."""
+    for checks, errors in run_ranks(2, _robust_backward):
+        assert all(checks) and len(checks) == 6, checks
+        assert re.search(r"reentrant activation checkpointing .* is not supported .* use use_reentrant=False",
+                         errors[0]), errors[0]
+        assert re.search(r"got batched gradients \(torch\.autograd\.grad\(\.\.\., is_grads_batched=True\)\)",
+                         errors[1]), errors[1]

@@ -424,30 +424,27 @@ def test_checkpointing_forward_methods_and_partial_wrapping():
 
 
 def _steps_left_alive():
-    """Live runtime Steps after training (with and without checkpointing) and after forwards with grad enabled
-    that no backward followed: the module keeps its current step, nothing else may survive."""
+    """Live runtime Steps of a model after training (with and without checkpointing) and after forwards with grad
+    enabled that no backward followed: the module keeps its current step, nothing else may survive."""
     import gc
 
     from funcshard._runtime import Step
 
-    def live():
-        gc.collect()
-        return sum(isinstance(o, Step) for o in gc.get_objects())
-
-    mesh, out, before = _mesh(), [], live()  # this worker process ran other tests before
+    mesh, out = _mesh(), []
     for model in (MLP(layers=3), _Checkpointed(layers=3)):
         _fit(_nested(funcshard, model, mesh))
         for _ in range(3):
             model(_mlp_batch(0)[0]).sum()  # evaluation without no_grad: graphs made, then dropped
-        out.append(live() - before)
-        del model
+        gc.collect()
+        out.append(sum(isinstance(o, Step) and getattr(getattr(o, "ctx", None), "top", None) is not None
+                       and o.ctx.top.modules[0] is model for o in gc.get_objects()))
     return out
 
 
 def test_no_step_outlives_its_graph():
     """A Step must not keep itself alive through the autograd graph (one step leaked per training step, with
     the views and hooks it holds, before the fix)."""
-    assert run_ranks(2, _steps_left_alive) == [[1, 2]] * 2  # the first model is alive in the loop
+    assert run_ranks(2, _steps_left_alive) == [[1, 1]] * 2
 
 
 def test_uneven_shards_on_four_ranks():
@@ -809,3 +806,41 @@ def test_api_surface():
     assert facts[0]["placements"] == {"blocks.0.l1.weight": "(Shard(dim=0),)", "blocks.0.l1.bias": "(Shard(dim=0),)"}
     assert [f["local_rows"] for f in facts] == [10, 9]  # 19 rows over 2 ranks, as torch.chunk splits them
     assert facts[0]["forward_method_noop"] and "does not support deepcopy" in facts[0]["deepcopy"]
+
+
+def _frozen_gathered_at_once():
+    """Most blocks gathered at once in a fully_shard backward, LoRA-style (a frozen weight in every block)."""
+    from unittest import mock
+
+    from funcshard._runtime import Step, _Status
+
+    peak, out = [0], []
+
+    def counting(meth):
+        orig = getattr(Step, meth)
+
+        def wrapped(self, *a, **k):
+            peak[0] = max(peak[0], sum(gr.status is not _Status.SHARDED for n, gr in self.groups.items() if n))
+            return orig(self, *a, **k)
+
+        return wrapped
+
+    with mock.patch.object(Step, "unshard", counting("unshard")), mock.patch.object(Step, "reshard", counting("reshard")):
+        for frozen in (False, True):
+            torch.manual_seed(0)
+            m = MLP(layers=6)
+            for b in m.blocks:
+                b.l1.weight.requires_grad_(not frozen)
+            m = _nested(funcshard, m, _mesh())
+            m(_mlp_batch(0)[0]).sum().backward()
+            peak[0] = 0
+            m(_mlp_batch(1)[0]).sum().backward()
+            out.append(peak[0])
+    return out
+
+
+def test_frozen_weights_do_not_keep_fully_shard_blocks_gathered():
+    """A unit with frozen parameters is freed once its inputs' gradients are done (as in apply), not at the end
+    of backward: LoRA-style blocks keep a bound of a few gathered blocks (it was all 6)."""
+    trainable, frozen = run_ranks(2, _frozen_gathered_at_once)[0]
+    assert trainable <= 2 and frozen <= 3, (trainable, frozen)
