@@ -26,8 +26,9 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     floating point or complex (as for ``torch.func.grad``); a leaf the value does not depend on gets zeros.
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or not all(isinstance(n, int) for n in nums):
-        raise TypeError(f"value_and_grad: argnums must be an int or a non-empty sequence of ints, got {argnums!r}")
+    if not nums or not all(isinstance(n, int) for n in nums) or len(set(nums)) != len(nums):
+        raise TypeError(f"value_and_grad: argnums must be an int or a non-empty sequence of distinct ints, got "
+                        f"{argnums!r}")
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any):
@@ -49,7 +50,8 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
                         f"value_and_grad: argument {n} at {'.'.join(map(str, path)) or '<root>'} is {what}; every "
                         f"leaf of a differentiated argument must be a floating point tensor (pass the rest as "
                         f"another, non-differentiated argument)")
-            leaves = [leaf.detach().requires_grad_() for leaf in leaves]
+            # (an inference tensor, e.g. made under torch.inference_mode, cannot take a gradient: copy it)
+            leaves = [(leaf.clone() if leaf.is_inference() else leaf.detach()).requires_grad_() for leaf in leaves]
             args[n] = optree.tree_unflatten(spec, leaves)
             inputs.append(leaves)
             specs.append(spec)

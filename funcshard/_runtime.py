@@ -134,6 +134,8 @@ class Step:
         self._take_grads_hooks = {g.name: _take_grads_hook(self, g.name) for g in plan.groups}
         self.fused = False  # set by run(): one _StepGather for the step (under a torch.func grad transform)
         self.order: list[str] = []  # the non-root groups in the order their forward first ran
+        self.prefetched: set[str] = set()  # groups gathered early by the forward prefetch
+        self.bwd_plan: Plan | None = None  # fully_shard: the plan in this step's own order, for backward prefetch
         self._zeros: dict = {}
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
@@ -198,8 +200,19 @@ class Step:
         gr.status = _Status.SHARDED
 
     def prefetch(self, name: str, *, backward: bool) -> None:
-        for other in self.plan.prefetch_after(name, backward=backward):
+        plan = self.bwd_plan if backward and self.bwd_plan is not None else self.plan
+        for other in plan.prefetch_after(name, backward=backward):
+            if not backward and self.groups[other].status is _Status.SHARDED:
+                self.prefetched.add(other)
             self.unshard(other)
+
+    def free_unused_prefetches(self) -> None:
+        """At the end of forward: groups the forward prefetch gathered but the forward never used (skipped
+        blocks, another order) go back to sharded now, not at the end of backward."""
+        for name in self.prefetched:  # (a group's own forward takes it off the set)
+            if self.groups[name].group.reshard_after_forward:
+                self.reshard(name)
+        self.prefetched.clear()
 
     # ---- module attributes -----------------------------------------------------------------------
     def swap_in(self, name: str) -> None:
@@ -259,6 +272,7 @@ class Step:
         gr = self.groups[name]
         if name != ROOT and name not in self.order:
             self.order.append(name)
+        self.prefetched.discard(name)
         self.unshard(name)
         self.wait(name)
         self.prefetch(name, backward=False)
@@ -551,6 +565,7 @@ class Step:
                 self._loosen(gr)
         if root.group.reshard_after_forward:
             self.reshard(ROOT)
+        self.free_unused_prefetches()
         if plan.order_differs(self.order):
             _warn_order(plan, self.order)
         return self.wrap_for_backward(ROOT, out)

@@ -215,6 +215,7 @@ class _Context:
         self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
         self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
         self._ordered: dict[tuple[str, ...], Plan] = {}
+        self.last_order: tuple[str, ...] = ()
         root = top.modules[0]
         paths = {id(m): n for n, m in root.named_modules()}
         self.units: list[_Unit] = []
@@ -302,8 +303,16 @@ class _Context:
                     step.reshard(name)
         step.graph = step.graph or torch.is_grad_enabled()
         self.fwd_root = None
-        if self.plan().order_differs(step.order):  # as FSDP2 records the forward order: prefetch follows it
-            self.order = tuple(step.order)
+        step.free_unused_prefetches()
+        # Prefetch follows the order the units' forwards ran in (FSDP2 records it each iteration): this step's
+        # backward at once; later forwards once the same order was seen twice in a row (a model alternating
+        # between orders keeps the module order for its forward prefetch).
+        seen = tuple(step.order)
+        if self.plan().order_differs(seen):
+            step.bwd_plan = step.plan.with_order([n for n in seen if n in step.groups])
+            if seen == self.last_order:
+                self.order = seen
+        self.last_order = seen
 
 
 def _adopt(new: Step, old: Step, name: str) -> None:

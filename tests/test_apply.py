@@ -892,21 +892,6 @@ def test_groups_out_of_plan_order_warn_once():
     assert prefetch == [("blocks.2",), ("blocks.1",), ("blocks.0",)]
 
 
-class _FailOnce(torch.autograd.Function):
-    fail = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _FailOnce.fail:
-            _FailOnce.fail = False
-            raise RuntimeError("simulated failure in backward")
-        return g
-
-
 class _SharedFrozen(nn.Module):
     """One block used twice (weight sharing), with a frozen weight (LoRA-style), then one used once."""
 
@@ -920,7 +905,7 @@ class _SharedFrozen(nn.Module):
     def forward(self, x):
         h = self.shared(self.shared(self.inp(x)))
         h = checkpoint(self.other, h, use_reentrant=True) if self.reentrant else self.other(h)
-        return self.out(_FailOnce.apply(h))
+        return self.out(_Boom.apply(h))
 
 
 def _robust_backward():
@@ -937,9 +922,9 @@ def _robust_backward():
         plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard)
         want = funcshard.shard(plan, ref)
         state = {k: v.requires_grad_(model.get_parameter(k).requires_grad) for k, v in funcshard.shard(plan).items()}
-        _FailOnce.fail = True
+        _Boom.fail = True
         leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}
-        with pytest.raises(RuntimeError, match="simulated failure"):
+        with pytest.raises(RuntimeError, match="transient failure"):
             funcshard.apply(plan, leaves, x).square().sum().backward()  # e.g. a caught out-of-memory
         for _ in range(2):
             leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}

@@ -554,10 +554,26 @@ def _schedule():
         m = _nested(funcshard, ReversedMLP(layers=3), mesh)
         for i, b in enumerate(m.blocks):
             b.register_forward_pre_hook(lambda mod, args, i=i: log.events.append(f"fwd blocks.{i}"))
-        for _ in range(2):
+        for _ in range(3):
             m(_mlp_batch(0)[0]).sum().backward()
             out.setdefault("order_recorded", []).append(log.take(("AG", "fwd")))
+        # a block skipped in forward (stochastic depth): its prefetched parameters are freed when forward ends
+        torch.manual_seed(0)
+        m = _nested(funcshard, _Skipping(layers=3), mesh)
+        m(_mlp_batch(0)[0]).sum().backward()
+        m(_mlp_batch(0)[0])
+        step = funcshard.fsdp._unit_of(m).ctx.step
+        out["gathered_after_forward"] = [n for n, gr in step.groups.items() if gr.status.value != "sharded"]
+        log.take()
     return out
+
+
+class _Skipping(MLP):
+    def forward(self, x):
+        h = self.inp(x)
+        for b in (self.blocks[0], self.blocks[2]):
+            h = b(h)
+        return self.out(h)
 
 
 def test_settings_change_the_schedule():
@@ -576,11 +592,14 @@ def test_settings_change_the_schedule():
                                      "fwd blocks.1", "fwd blocks.2"]
     assert out["order_manual"][:2] == ["AG blocks.2", "unshard() returned"]
     assert "AG blocks.2" not in out["order_manual"][2:]
-    first, second = out["order_recorded"]
-    assert first[:3] == ["AG <root>", "AG blocks.0", "AG blocks.2"]  # module order: blocks.0 gathered too early
-    assert second == ["AG <root>", "AG blocks.2", "AG blocks.1", "fwd blocks.2", "AG blocks.0", "fwd blocks.1",
-                      "fwd blocks.0",  # forward, in the order seen; backward: reverse of it, one ahead
-                      "AG blocks.0", "AG blocks.1", "AG blocks.2"], second
+    assert out["gathered_after_forward"] == [""]  # the root only (blocks.1 was prefetched, never used)
+    first, second, third = out["order_recorded"]
+    # the first forwards prefetch in module order (blocks.0 gathered too early); backward already follows the
+    # order seen in the same step (reverse of it, one ahead); from the third step on, the forward does too
+    assert first[:3] == ["AG <root>", "AG blocks.0", "AG blocks.2"]
+    assert first[-3:] == second[-3:] == ["AG blocks.0", "AG blocks.1", "AG blocks.2"], (first, second)
+    assert third == ["AG <root>", "AG blocks.2", "AG blocks.1", "fwd blocks.2", "AG blocks.0", "fwd blocks.1",
+                     "fwd blocks.0", "AG blocks.0", "AG blocks.1", "AG blocks.2"], third
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------

@@ -51,6 +51,15 @@ def test_no_dependence_gives_zeros():
     torch.testing.assert_close((value, grads), (ref_value, ref_grads))
 
 
+def test_inference_tensors_as_arguments():
+    """The differentiated arguments may be inference tensors (e.g. loaded under torch.inference_mode)."""
+    x = torch.randn(5, 3)
+    with torch.inference_mode():
+        p = _params()
+    _, grads = funcshard.value_and_grad(_f)(p, x)
+    torch.testing.assert_close(grads, torch.func.grad(_f)(_params(), x))
+
+
 def test_composes_inside_torch_func_transforms():
     """Under a transform it defers to torch.func.grad_and_value: per-example gradients with vmap."""
     p, xs = _params(), torch.randn(4, 5, 3)
@@ -64,6 +73,7 @@ def test_composes_inside_torch_func_transforms():
     ("int_leaf", r"argument 0 at steps is a torch\.int64 tensor; every leaf of a differentiated argument must be "
                  r"a floating point tensor"),
     ("argnums", r"argnums=2 but f got 2 positional argument\(s\)"),
+    ("argnums_twice", r"argnums must be an int or a non-empty sequence of distinct ints, got \(0, 0\)"),
     ("aux", r"has_aux=True\): f must return \(scalar, aux\), got Tensor"),
 ])
 def test_errors(case, match):
@@ -75,5 +85,6 @@ def test_errors(case, match):
     if case == "int_leaf":
         p["steps"] = torch.tensor(3)
     with pytest.raises((TypeError, ValueError), match=match):
-        funcshard.value_and_grad(f, argnums=2 if case == "argnums" else 0, has_aux=case == "aux")(p, x)
+        argnums = {"argnums": 2, "argnums_twice": (0, 0)}.get(case, 0)
+        funcshard.value_and_grad(f, argnums=argnums, has_aux=case == "aux")(p, x)
     assert p["w"].grad is None and not p["w"].requires_grad  # nothing was changed
