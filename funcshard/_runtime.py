@@ -466,20 +466,36 @@ class Step:
         with no_functorch():
             return reduce_scatter_grads(gr.layout, grads, self.pg, self.plan.divide_factor, gr.shards[0].device)
 
-    def watch_inputs(self, name: str, args: tuple) -> None:
+    def watch_inputs(self, name: str, args: tuple) -> tuple | None:
         """For a group with frozen parameters: free it once the gradients of its forward inputs are complete
         (then no backward op of the group can still read its parameters), and its own gradients are
-        reduce-scattered if it has any (FSDP2 does the same with a Function on the module's inputs)."""
+        reduce-scattered if it has any. Returns new args (or None: unchanged): each input that requires grad is
+        passed on as an alias whose gradient hook counts it, so the group is freed as soon as its own input
+        gradients are done, before the previous group's pre-backward prefetches (FSDP2 puts a Function on the
+        module's inputs for the same reason)."""
         gr = self.groups[name]
         if not gr.frozen or not torch.is_grad_enabled():
-            return
-        inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
+            return None
+        leaves, spec = pytree.tree_flatten(args)
+        which = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not which:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
             gr.unwatched = True
-            return
+            return None
         gr.uses += 1
         gr.inputs_left += 1
-        torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads: self._inputs_done(name), mode="all")
+        left = [len(which)]
+        ref = weakref.ref(self)
+
+        def done(_grad):
+            left[0] -= 1
+            if left[0] == 0 and (step := ref()) is not None:
+                left[0] = len(which)  # again for another backward through a retained graph
+                step._inputs_done(name)
+
+        for i in which:
+            leaves[i] = torch.ops.aten.alias(leaves[i])
+            leaves[i].register_hook(done)
+        return pytree.tree_unflatten(leaves, spec)
 
     def _inputs_done(self, name: str) -> None:
         self.groups[name].inputs_left -= 1
@@ -651,7 +667,7 @@ def _make_pre_hook(step: Step, name: str):
                 step.gather_for_forward(name)
             gr.fwd_started += 1
             step.swap_in(name)
-            step.watch_inputs(name, args)
+            return step.watch_inputs(name, args)
         elif step.recomputing():  # activation-checkpoint recomputation during this step's backward
             step.check_recompute(name)
             step.unshard(name)

@@ -457,7 +457,10 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
             step.swap_out(name)  # parameters registered by unshard() make way for autograd-visible ones
             step.gather_for_forward(name)
         step.swap_in(name)
-        step.watch_inputs(name, args)  # a group with frozen parameters is freed once its inputs' gradients are done
+        # a group with frozen parameters is freed once its inputs' gradients are done
+        watched = step.watch_inputs(name, moved[0] if moved is not None else args)
+        if watched is not None:
+            moved = (watched, moved[1] if moved is not None else kwargs)
     return moved
 
 
