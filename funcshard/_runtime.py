@@ -63,7 +63,7 @@ class _GroupRuntime:
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "uses",
                  "inputs_left", "nodes", "nodes_left", "unwatched", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran",
-                 "node")
+                 "node", "counters")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -94,6 +94,7 @@ class _GroupRuntime:
         # and its post-backward ran for every gather that made autograd history (nodes_left).
         self.uses = self.inputs_left = self.nodes = self.nodes_left = 0
         self.unwatched = False
+        self.counters: list[list[int]] = []  # per watched use: [input gradients to go, inputs]
         # the whole-step gather (under a torch.func grad transform): this group's outputs of _StepGather,
         # the gradients collected by the views' hooks in the current backward, the reduce-scattered shards
         self.fused: tuple[torch.Tensor, ...] | None = None
@@ -135,7 +136,6 @@ class Step:
         self.fused = False  # set by run(): one _StepGather for the step (under a torch.func grad transform)
         self.order: list[str] = []  # the non-root groups in the order their forward first ran
         self.prefetched: set[str] = set()  # groups gathered early by the forward prefetch
-        self.bwd_plan: Plan | None = None  # fully_shard: the plan in this step's own order, for backward prefetch
         self._zeros: dict = {}
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
@@ -200,8 +200,15 @@ class Step:
         gr.status = _Status.SHARDED
 
     def prefetch(self, name: str, *, backward: bool) -> None:
-        plan = self.bwd_plan if backward and self.bwd_plan is not None else self.plan
-        for other in plan.prefetch_after(name, backward=backward):
+        if backward and self.order and name not in self.plan.backward_prefetch_lists:
+            # the groups this forward ran, in reverse of the order they ran in (as FSDP2 records it)
+            ran = self.order[::-1]
+            depth = self.plan.backward_prefetch
+            i = ran.index(name) + 1 if name in ran else 0
+            others = ran[i : i + depth]
+        else:
+            others = self.plan.prefetch_after(name, backward=backward)
+        for other in others:
             if not backward and self.groups[other].status is _Status.SHARDED:
                 self.prefetched.add(other)
             self.unshard(other)
@@ -277,6 +284,10 @@ class Step:
         self.wait(name)
         self.prefetch(name, backward=False)
         state = self.state
+        if not self.fused and gr.views_grad and not torch.is_grad_enabled() and gr.shards:
+            # used again under no_grad after a use with grad: keep the views with autograd history (refilled in
+            # place), which activation checkpointing recomputes with in backward
+            return gr.views
         gr.views_grad = torch.is_grad_enabled()
         gr.node = None
         if not gr.shards:
@@ -476,26 +487,31 @@ class Step:
         gr = self.groups[name]
         if not gr.frozen or not torch.is_grad_enabled():
             return None
-        leaves, spec = pytree.tree_flatten(args)
-        which = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not which:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
+        inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
             gr.unwatched = True
             return None
         gr.uses += 1
         gr.inputs_left += 1
-        left = [len(which)]
+        top = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if len(top) != len(inputs) or any(args[i].layout is not torch.strided or args[i].is_nested for i in top):
+            # inside containers (not rebuilt: the module may fill them) or not aliasable (nested, sparse)
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: self._inputs_done(name), mode="all")
+            return None
+        left = [len(top), len(top)]  # (to go, total): reset by end_of_backward for a retained graph
+        gr.counters.append(left)
         ref = weakref.ref(self)
 
         def done(_grad):
             left[0] -= 1
             if left[0] == 0 and (step := ref()) is not None:
-                left[0] = len(which)  # again for another backward through a retained graph
                 step._inputs_done(name)
 
-        for i in which:
-            leaves[i] = torch.ops.aten.alias(leaves[i])
-            leaves[i].register_hook(done)
-        return pytree.tree_unflatten(leaves, spec)
+        new = list(args)
+        for i in top:
+            new[i] = torch.ops.aten.alias(args[i])
+            new[i].register_hook(done)
+        return tuple(new)
 
     def _inputs_done(self, name: str) -> None:
         self.groups[name].inputs_left -= 1
@@ -521,6 +537,8 @@ class Step:
             self.reshard(name)
             self._loosen(gr)
             gr.inputs_left, gr.nodes_left = gr.uses, gr.nodes  # for another backward through a retained graph
+            for c in gr.counters:
+                c[0] = c[1]
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through

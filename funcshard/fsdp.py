@@ -305,13 +305,11 @@ class _Context:
         self.fwd_root = None
         step.free_unused_prefetches()
         # Prefetch follows the order the units' forwards ran in (FSDP2 records it each iteration): this step's
-        # backward at once; later forwards once the same order was seen twice in a row (a model alternating
-        # between orders keeps the module order for its forward prefetch).
+        # backward at once (Step.prefetch); later forwards once the same order was seen twice in a row (a model
+        # alternating between orders keeps the module order for its forward prefetch).
         seen = tuple(step.order)
-        if self.plan().order_differs(seen):
-            step.bwd_plan = step.plan.with_order([n for n in seen if n in step.groups])
-            if seen == self.last_order:
-                self.order = seen
+        if self.plan().order_differs(seen) and seen == self.last_order:
+            self.order = seen
         self.last_order = seen
 
 

@@ -892,19 +892,30 @@ def test_groups_out_of_plan_order_warn_once():
     assert prefetch == [("blocks.2",), ("blocks.1",), ("blocks.0",)]
 
 
+class _Collecting(Block):
+    def forward(self, x, feats):
+        y = super().forward(x)
+        feats.append(y)
+        return y
+
+
 class _SharedFrozen(nn.Module):
     """One block used twice (weight sharing), with a frozen weight (LoRA-style), then one used once."""
 
     def __init__(self):
         super().__init__()
-        self.inp, self.shared, self.other, self.out = nn.Linear(7, 6), Block(6), Block(6), nn.Linear(6, 3)
+        self.inp, self.shared, self.other, self.out = nn.Linear(7, 6), _Collecting(6), Block(6), nn.Linear(6, 3)
         self.shared.l1.weight.requires_grad_(False)
 
     reentrant = False
 
     def forward(self, x):
-        h = self.shared(self.shared(self.inp(x)))
+        feats = []
+        h = checkpoint(self.shared, self.shared(self.inp(x), feats), feats, use_reentrant=False)  # fills a list
+        assert len(feats) == 2, "a list argument was replaced"
         h = checkpoint(self.other, h, use_reentrant=True) if self.reentrant else self.other(h)
+        with torch.no_grad():
+            self.shared(h.detach(), [])  # used again under no_grad: its autograd views stay
         return self.out(_Boom.apply(h))
 
 

@@ -560,7 +560,9 @@ def _schedule():
         # a block skipped in forward (stochastic depth): its prefetched parameters are freed when forward ends
         torch.manual_seed(0)
         m = _nested(funcshard, _Skipping(layers=3), mesh)
+        log.take()
         m(_mlp_batch(0)[0]).sum().backward()
+        out["skipping_gathers"] = log.take(("AG",))  # and the backward prefetch skips it too
         m(_mlp_batch(0)[0])
         step = funcshard.fsdp._unit_of(m).ctx.step
         out["gathered_after_forward"] = [n for n, gr in step.groups.items() if gr.status.value != "sharded"]
@@ -593,6 +595,8 @@ def test_settings_change_the_schedule():
     assert out["order_manual"][:2] == ["AG blocks.2", "unshard() returned"]
     assert "AG blocks.2" not in out["order_manual"][2:]
     assert out["gathered_after_forward"] == [""]  # the root only (blocks.1 was prefetched, never used)
+    assert out["skipping_gathers"] == ["AG <root>", "AG blocks.0", "AG blocks.1", "AG blocks.2",  # forward
+                                       "AG blocks.2", "AG blocks.0"], out["skipping_gathers"]  # backward
     first, second, third = out["order_recorded"]
     # the first forwards prefetch in module order (blocks.0 gathered too early); backward already follows the
     # order seen in the same step (reverse of it, one ahead); from the third step on, the forward does too
