@@ -605,6 +605,23 @@ class Step:
         return self.wrap_for_backward(ROOT, out)
 
 
+_WARNED_FIRST_ORDER = [False]
+
+
+def _warn_first_order() -> None:
+    """Once per process: the gather's backward (a reduce-scatter) is not itself differentiable."""
+    if _WARNED_FIRST_ORDER[0]:
+        return
+    _WARNED_FIRST_ORDER[0] = True
+    warnings.warn(
+        "funcshard.apply: a backward with create_graph=True reached the sharded gather; the shard gradients it "
+        "returns carry no graph, so differentiating them again (second-order terms through the parameters, e.g. "
+        "MAML, Hessian-vector products) misses what flows through the gather. First-order uses of the result are "
+        "right; for second order, gather the parameters (funcshard.gather) and differentiate the unsharded model",
+        stacklevel=2,
+    )
+
+
 def _warn_order(plan: Plan, order: list[str]) -> None:
     """Once per plan: its groups ran out of the plan's order, so the default prefetch gathers the wrong ones."""
     if plan.__dict__.get("_funcshard_order_warned"):
@@ -813,6 +830,8 @@ class _GroupGather(torch.autograd.Function):
     def backward(ctx, *grads):
         grads = ctx.step.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            _warn_first_order()
         return (None, None, *ctx.step.post_backward(ctx.name, grads))
 
     @staticmethod

@@ -976,3 +976,26 @@ def test_backward_robustness():
                          errors[0]), errors[0]
         assert re.search(r"got batched gradients \(torch\.autograd\.grad\(\.\.\., is_grads_batched=True\)\)",
                          errors[1]), errors[1]
+
+
+def _create_graph_warning():
+    import warnings
+
+    import funcshard._runtime as R
+
+    R._WARNED_FIRST_ORDER[0] = False  # once per process, and this worker may have warned in another test
+    torch.manual_seed(0)
+    plan = funcshard.plan(MLP(layers=2), _mesh(), groups=(Block,))
+    leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    out = funcshard.apply(plan, leaves, torch.randn(4, 7)).square().sum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.autograd.grad(out, list(leaves.values()), create_graph=True)
+    return [str(w.message) for w in caught if "create_graph" in str(w.message)]
+
+
+def test_create_graph_through_the_gather_warns():
+    """Second-order gradients through apply's plain-autograd path are not built: say so instead of silently
+    dropping the terms through the gather."""
+    (msg,) = run_ranks(2, _create_graph_warning)[0]
+    assert re.search(r"create_graph=True reached the sharded gather; .* differentiating them again", msg)
