@@ -62,8 +62,8 @@ class _GroupRuntime:
 
     __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
                  "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "uses",
-                 "inputs_left", "nodes", "nodes_left", "unwatched", "fused", "hooked", "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran",
-                 "node", "counters")
+                 "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked", "views_grad",
+                 "task", "expect", "grads", "got", "grad_shards", "ran", "node")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -301,8 +301,8 @@ class Step:
                     gr.nodes += 1  # one post-backward per backward for the whole step
                     gr.nodes_left += 1
                 gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
-        elif _functorch_level() is not None:  # torch.func.jvp
-            gr.views = _call(_GroupGather, self, name, *[state[p] for p in gr.group.params])
+        elif _functorch_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
+            gr.views = _GroupGather.apply(self, name, *[state[p] for p in gr.group.params])
         else:
             with _saving_views():
                 gr.views = _EAGER[_GroupGather].apply(self, name, *[state[p] for p in gr.group.params])
@@ -351,9 +351,9 @@ class Step:
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
         funcshard took over (the backward never writes to them; a tensor hook cannot return None for that)."""
-        key = (grad.shape, grad.dtype)
         if grad.layout is not torch.strided:  # e.g. nn.Embedding(sparse=True): sparse zeros (nothing stored)
             return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device, layout=grad.layout)
+        key = (grad.shape, grad.dtype)
         zeros = self._zeros.get(key)
         if zeros is None:
             zero = self._zeros.get(grad.dtype)  # one element per dtype, expanded to every shape
@@ -532,13 +532,18 @@ class Step:
         if gr.inputs_left <= 0 and not gr.unwatched and (gr.nodes_left <= 0 or not gr.trainable):
             self.reshard(name)
 
+    def _backward_ended(self, gr: _GroupRuntime) -> None:
+        """Per group, at the end of a backward: no views held, and the frozen-group counters ready for another
+        backward through a retained graph."""
+        self._loosen(gr)
+        gr.inputs_left, gr.nodes_left = gr.uses, gr.nodes
+        for c in gr.counters:
+            c[0] = c[1]
+
     def end_of_backward(self) -> None:
         for name, gr in self.groups.items():
             self.reshard(name)
-            self._loosen(gr)
-            gr.inputs_left, gr.nodes_left = gr.uses, gr.nodes  # for another backward through a retained graph
-            for c in gr.counters:
-                c[0] = c[1]
+            self._backward_ended(gr)
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through
@@ -883,10 +888,6 @@ def _saving_views():
         yield
     finally:
         cm.__exit__(None, None, None)
+
+
 _functorch_level = torch._C._functorch.maybe_current_level
-
-
-def _call(fn: type[torch.autograd.Function], *args):
-    if _functorch_level() is None:
-        return _EAGER[fn].apply(*args)
-    return fn.apply(*args)

@@ -367,14 +367,14 @@ class _Step(Step):
                 for p, g in zip(paths, grads):
                     if g is not None:
                         unit.acc[p] = unit.acc[p].add_(g) if p in unit.acc else g.clone()
-            self._after_backward(name, unit)
+            self._grads_done(name)
             return [None] * len(grads)
         for i, p in enumerate(paths):
             if p in unit.acc:
                 grads[i] = unit.acc.pop(p) if grads[i] is None else unit.acc.pop(p).add_(grads[i])
         factor = unit.divide_factor if unit.divide_factor is not None else self.plan.divide_factor
         had = [g is not None for g in grads]
-        self._after_backward(name, unit)  # the unsharded parameters go first (FSDP2's order)
+        self._grads_done(name)  # the unsharded parameters go first (FSDP2's order)
         with no_functorch():
             out = reduce_scatter_grads(gr.layout, grads, self.pg, factor, gr.shards[0].device)
         with torch.no_grad():
@@ -390,9 +390,6 @@ class _Step(Step):
                     hook(r.param)
         return [None] * len(grads)  # the gradients live on the DTensor parameters, not on the state
 
-    def _after_backward(self, name: str, unit: _Unit) -> None:
-        self._grads_done(name)
-
     def _release_frozen(self, name: str) -> None:
         if self.ctx.by_group[name].reshard_after_backward:
             super()._release_frozen(name)
@@ -406,7 +403,7 @@ class _Step(Step):
             if (u := self.ctx.by_group.get(name)) is None or u.reshard_after_backward:
                 self.reshard(name)
             self.swap_out(name)
-            self._loosen(self.groups[name])
+            self._backward_ended(self.groups[name])
         self.backward_started, self.done = False, True
 
 
