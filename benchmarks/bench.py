@@ -559,7 +559,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fake-cpu", action=argparse.BooleanOptionalAction, default=None,
                     help="the fake-PG W=8 comparison on CPU too (default: on, off with --quick)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU (gloo) runs")
-    ap.add_argument("--systems", nargs="+", default=list(S.ALL_SYSTEMS), choices=S.ALL_SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=list(S.ALL_SYSTEMS), choices=list(S.BUILDERS),
+                    help="default: all but fsdp2_async (FSDP2 with its private async unshard, for comparison)")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--write-results", action="store_true", help="write benchmarks/RESULTS.md after --quick too")
     ap.add_argument("--no-write-results", action="store_true", help="never write benchmarks/RESULTS.md")

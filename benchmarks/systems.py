@@ -8,6 +8,8 @@ the same global batch, and exposes ``step() -> local loss`` (one forward, backwa
 * ``ddp``         DistributedDataParallel (``gradient_as_bucket_view=True``; the stock ``allreduce_hook`` so
                   its all-reduces go through ``torch.distributed.all_reduce`` and are counted)
 * ``fsdp2``       torch's ``fully_shard`` on each Block, then on the root; ``torch.optim.AdamW(foreach=True)``
+* ``fsdp2_async`` the same with FSDP2's private ``_set_unshard_async_op(True)`` (not in the default comparison;
+                  ``trace_overlap.py`` shows what it changes)
 * ``fs_apply``    ``funcshard.plan(groups=(Block,))`` + ``shard`` + ``apply`` under
                   ``funcshard.value_and_grad`` (first-order, plain autograd underneath: what the demo uses)
                   + ``funcshard.optim.adamw`` (with ``donate=True`` as the demo does, when funcshard.optim
@@ -153,6 +155,21 @@ class FSDP2(_ModuleSystem):
         super().__init__(model, _adamw(model.parameters()), x, y)
 
 
+class FSDP2Async(FSDP2):
+    """FSDP2 with its private ``_set_unshard_async_op(True)`` (all-gathers issued async, waited at use): not in
+    the default comparison (a private API), used by ``trace_overlap.py`` to show what it changes on gloo."""
+
+    name = "fsdp2_async"
+
+    def __init__(self, cfg, mesh, device, x, y):
+        super().__init__(cfg, mesh, device, x, y)
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m._set_unshard_async_op(True)
+
+
 class FSFullyShard(FSDP2):
     name = "fs_fully_shard"
     fully_shard = staticmethod(funcshard.fully_shard)
@@ -228,7 +245,7 @@ def _has_donate() -> bool:
 DONATE = _has_donate()
 
 
-BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fs_apply": FSApply,
+BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fsdp2_async": FSDP2Async, "fs_apply": FSApply,
             "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard}
 
 

@@ -79,3 +79,22 @@ def test_collective_counter_catches_aliases_and_counts_nested_calls_once(fake_pg
     assert s["bytes"] == {"all_gather": 3 * 128, "all_reduce": 32, "reduce_scatter": 128}
     # restored afterwards
     assert not getattr(dist.all_gather_single, "_counting", False)
+
+
+def test_trace_overlap_arithmetic():
+    import trace_overlap as T
+
+    assert T.union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert T.intersect([(0, 3), (5, 8)], [(2, 6), (7, 9)]) == [(2, 3), (5, 6), (7, 8)]
+    assert T.complement([(2, 3), (5, 6)], 0, 8) == [(0, 2), (3, 5), (6, 8)]
+    main = 1
+    events = [
+        {"ph": "X", "tid": main, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10},
+        {"ph": "X", "tid": main, "cat": "user_annotation", "name": T.WAIT, "ts": 10, "dur": 4},
+        {"ph": "X", "tid": 2, "cat": "cpu_op", "name": "gloo:all_gather", "ts": 6, "dur": 6},  # 4 hidden, 2 exposed
+        {"ph": "X", "tid": 3, "cat": "cpu_op", "name": "gloo:all_reduce", "ts": 11, "dur": 1},  # exposed
+        {"ph": "X", "tid": 2, "cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 30},  # not a collective
+    ]
+    o = T.overlap(T.lanes(events, main))
+    assert o["comm_ms"] * 1e3 == 6 and o["blocked_ms"] * 1e3 == 4
+    assert o["hidden_ms"] * 1e3 == 4 and o["hidden_frac"] == 4 / 6

@@ -64,10 +64,11 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
             value, aux = out
         else:
             value, aux = out, None
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:  # as torch.func.grad and JAX: shape ()
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"value_and_grad: {fn.__name__} must return a scalar tensor (one element), got "
-                             f"{shape}; reduce it (e.g. .mean()) or use torch.func.vjp for vector outputs")
+            raise ValueError(f"value_and_grad: {fn.__name__} must return a scalar tensor (shape ()), got "
+                             f"{shape}; reduce it (e.g. .mean(), or .squeeze() for one element) or use "
+                             f"torch.func.vjp for vector outputs")
         flat = [leaf for leaves in inputs for leaf in leaves]
         if flat and value.requires_grad:
             grads = torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True)

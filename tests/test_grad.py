@@ -69,7 +69,9 @@ def test_composes_inside_torch_func_transforms():
 
 
 @pytest.mark.parametrize("case,match", [
-    ("vector", r"must return a scalar tensor \(one element\), got \(5, 4\); reduce it"),
+    ("vector", r"must return a scalar tensor \(shape \(\)\), got \(5, 4\); reduce it"),
+    ("one_element", r"must return a scalar tensor \(shape \(\)\), got \(1,\); reduce it \(e\.g\. \.mean\(\), or "
+                    r"\.squeeze\(\) for one element\)"),
     ("int_leaf", r"argument 0 at steps is a torch\.int64 tensor; every leaf of a differentiated argument must be "
                  r"a floating point tensor"),
     ("argnums", r"argnums=2 but f got 2 positional argument\(s\)"),
@@ -80,6 +82,8 @@ def test_errors(case, match):
     p, x = _params(), torch.randn(5, 3)
 
     def f(p, x):
+        if case == "one_element":  # torch.func.grad and JAX refuse it too
+            return _f(p, x).reshape(1)
         return torch.tanh(x @ p["w"]) if case == "vector" else _f(p, x)
 
     if case == "int_leaf":
