@@ -371,7 +371,44 @@ def reduce_scatter_grads(
 
     Consumes ``grads``: its entries are dropped once copied into the reduce-scatter input, before the output
     is allocated (as FSDP2 does), so that a caller holding no other reference frees the full gradients first."""
-    result: list[torch.Tensor | None] = [None] * len(layout.specs)
+    return start_reduce_scatter(layout, grads, group, device).finish(divide)
+
+
+class PendingReduce:
+    """A group's reduce-scatters in flight; ``finish(divide)`` waits, frees the inputs and returns the local
+    gradient shards."""
+
+    def __init__(self, layout: Buckets, pending: list):
+        self.layout, self.pending = layout, pending
+
+    def finish(self, divide: float) -> list[torch.Tensor]:
+        layout, world = self.layout, self.layout.world
+        result: list[torch.Tensor | None] = [None] * len(layout.specs)
+        pending, self.pending = self.pending, []
+        with torch.no_grad():
+            for dt, ix, inp, out, work in pending:
+                work.wait()
+                free_buffers([inp])
+                if divide != 1.0:
+                    out.div_(divide)
+                if layout.flat:
+                    rank_start = layout.specs[ix[0]].flat.rank * layout.chunk[dt]
+                    for i in ix:
+                        s = layout.specs[i]
+                        start, length = s.flat.piece(s.numel, world, s.flat.rank)
+                        at = s.flat.offset + start - rank_start
+                        result[i] = out[at : at + length]
+                else:
+                    for i, piece in zip(ix, out.split(layout.numels[dt])):
+                        result[i] = piece.view(layout.specs[i].local_shape)
+        return result  # type: ignore[return-value]
+
+
+def start_reduce_scatter(
+    layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device
+) -> PendingReduce:
+    """Copy a group's full gradients into one reduce-scatter input per dtype and issue the reduce-scatters
+    (async); consumes ``grads`` (see ``reduce_scatter_grads``)."""
     pending = []
     world = layout.world
     with torch.no_grad():
@@ -410,19 +447,4 @@ def reduce_scatter_grads(
                 grads[i] = None
             out = torch.empty(n, dtype=dt, device=device)
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group)))
-        for dt, ix, inp, out, work in pending:
-            work.wait()
-            free_buffers([inp])
-            if divide != 1.0:
-                out.div_(divide)
-            if layout.flat:
-                rank_start = layout.specs[ix[0]].flat.rank * layout.chunk[dt]
-                for i in ix:
-                    s = layout.specs[i]
-                    start, length = s.flat.piece(s.numel, world, s.flat.rank)
-                    at = s.flat.offset + start - rank_start
-                    result[i] = out[at : at + length]
-            else:
-                for i, piece in zip(ix, out.split(layout.numels[dt])):
-                    result[i] = piece.view(layout.specs[i].local_shape)
-    return result  # type: ignore[return-value]
+    return PendingReduce(layout, pending)

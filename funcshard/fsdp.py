@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._collectives import no_functorch, raw, reduce_scatter_grads
+from funcshard._collectives import no_functorch, raw, start_reduce_scatter
 from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
@@ -284,6 +284,7 @@ class _Context:
         new = _Step(self)
         new.fresh = fresh
         if old is not None:
+            old.finish_reduce_scatter()  # (a backward that raised half-way left one in flight)
             reuse = old.done or not old.graph
             for name, gr in old.groups.items():
                 if reuse and gr.status is not _Status.SHARDED and name in new.groups:
@@ -340,6 +341,7 @@ class _Step(Step):
         state = {f: r.leaf() for f, r in ctx.recs.items()}
         super().__init__(ctx.plan(), state)
         self.ctx, self.pending, self.fresh, self.graph, self.done = ctx, {}, False, False, False
+        self.reducing: tuple | None = None  # (group, PendingReduce, divide factor, which params had a gradient)
 
     def release(self, name: str) -> None:
         """Free the group and put the sharded parameters back on the modules (outside forward/backward)."""
@@ -376,9 +378,25 @@ class _Step(Step):
         had = [g is not None for g in grads]
         self._grads_done(name)  # the unsharded parameters go first (FSDP2's order)
         with no_functorch():
-            out = reduce_scatter_grads(gr.layout, grads, self.pg, factor, gr.shards[0].device)
+            pending = start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
+        # The reduce-scatter runs while the backward of the group after this one computes; its result is taken
+        # (waited for, divided, put on the .grads) in that group's post-backward or at the end of backward, as
+        # FSDP2 does on CUDA with its reduce-scatter stream.
+        self.finish_reduce_scatter()
+        self.reducing = (name, pending, factor, had)
+        return [None] * len(grads)  # the gradients live on the DTensor parameters, not on the state
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and accumulate its shards into the parameters' .grad."""
+        if self.reducing is None:
+            return
+        name, pending, factor, had = self.reducing
+        self.reducing = None
+        unit = self.ctx.by_group[name]
+        with no_functorch():
+            out = pending.finish(factor)
         with torch.no_grad():
-            for p, g, o in zip(paths, had, out):
+            for p, g, o in zip(self.groups[name].group.params, had, out):
                 r = self.ctx.recs[p]
                 if o is None or not r.param.requires_grad or (not g and not unit.reduce_unused):
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
@@ -388,7 +406,6 @@ class _Step(Step):
                     r.param.grad.to_local().add_(r.local(o))
                 for hook in (getattr(r.param, "_post_accumulate_grad_hooks", None) or {}).values():
                     hook(r.param)
-        return [None] * len(grads)  # the gradients live on the DTensor parameters, not on the state
 
     def _release_frozen(self, name: str) -> None:
         if self.ctx.by_group[name].reshard_after_backward:
@@ -399,6 +416,7 @@ class _Step(Step):
             super()._grads_done(name)  # (frozen: counted; freed only with reshard_after_backward)
 
     def end_of_backward(self) -> None:
+        self.finish_reduce_scatter()
         for name in self.groups:
             if (u := self.ctx.by_group.get(name)) is None or u.reshard_after_backward:
                 self.reshard(name)

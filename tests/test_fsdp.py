@@ -477,7 +477,14 @@ class _Log:
             log.append(_kind)
             return _fn(*a, **k)
 
+        finish = self._finish = _collectives.PendingReduce.finish
+
+        def logged_finish(pending, divide):
+            log.append("RS taken")
+            return finish(pending, divide)
+
         _runtime.Step.unshard = logged_unshard
+        _collectives.PendingReduce.finish = logged_finish
         for n, fn, kind in zip(names, (ag, rs), ("ag", "rs")):
             setattr(dist, n, functools.partial(counted, _fn=fn, _kind=kind))
         return self
@@ -486,6 +493,7 @@ class _Log:
         from funcshard import _collectives, _runtime
 
         _runtime.Step.unshard = self._saved[0]
+        _collectives.PendingReduce.finish = self._finish
         for n, fn in zip((_collectives._AG_NAME, _collectives._RS_NAME), self._saved[1:]):
             setattr(dist, n, fn)
 
@@ -538,6 +546,13 @@ def _schedule():
             g.tok.set_unshard_in_backward(flag)  # an embedding's backward reads no weight
             _nested(funcshard, g, mesh)(_gpt_batch(0)[0]).sum().backward()
             out.setdefault("unshard_in_backward", []).append(log.take().count("ag"))
+        # each reduce-scatter is taken (waited for, put on .grad) only after the next block's backward ran
+        m = model_with()
+        for i, b in enumerate(m.blocks):
+            b.register_full_backward_pre_hook(lambda mod, go, i=i: log.events.append(f"bwd blocks.{i}"))
+        log.take()
+        m(_mlp_batch(0)[0]).sum().backward()
+        out["reduce_scatter_overlap"] = log.take(("rs", "RS", "bwd"))
         # the forward schedule: default prefetch (depth 1), explicit lists, unshard() by hand
         for name in ["order_default", "order_explicit", "order_manual"]:
             m = model_with()
@@ -587,6 +602,9 @@ def test_settings_change_the_schedule():
     assert out["set_rsf_true"] == [(8, 4)]
     assert out["no_sync"] == [(7, 0), (7, 0), (7, 4)]  # reduce-scatter only on the synced microbatch
     assert out["no_sync_keep_unsharded"] == [(7, 0), (3, 0), (3, 4)]  # parameters kept from the last backward
+    assert out["reduce_scatter_overlap"] == ["bwd blocks.2", "rs", "bwd blocks.1", "rs", "RS taken",
+                                             "bwd blocks.0", "rs", "RS taken", "rs", "RS taken", "RS taken"], \
+        out["reduce_scatter_overlap"]  # blocks.2, .1, .0, then the root (its input layer runs last)
     assert out["unshard_in_backward"] == [7, 6]  # 4 groups; the embedding's is not gathered for backward
     assert out["order_default"] == ["AG <root>", "AG blocks.0", "AG blocks.1", "fwd blocks.0", "AG blocks.2",
                                     "fwd blocks.1", "fwd blocks.2"]
