@@ -6,8 +6,12 @@ that freeing them (``untyped_storage().resize_(0)``) and refilling them before b
 
 Autograd nodes per group:
 - under plain autograd and ``torch.func.jvp``, ``_GroupGather``: shards -> unsharded parameters. Its backward
-  is the group's post-backward: one reduce-scatter per dtype of the parameters' gradients, divided once by
-  ``plan.divide_factor``; then the unsharded parameters are freed.
+  is the group's post-backward: the unsharded parameters are freed, then one reduce-scatter per dtype of the
+  parameters' gradients, divided once by ``plan.divide_factor``. Under plain autograd ``apply`` also passes
+  each group a token from one ``_StepToken`` node over all trainable shards: the groups' backwards return
+  no shard gradients, ``_StepToken``'s backward (the end of backward) returns them all, so a group's
+  reduce-scatter is taken only in the next group's post-backward and runs while that group's backward
+  computes. (``fully_shard`` takes it there too and puts the shards on the parameters' ``.grad``.)
 - under a ``torch.func`` grad transform, one ``_StepGather`` for the whole step instead (each
   ``autograd.Function`` call costs ~1 ms there: functorch builds a class and flattens pytrees per call). Its
   outputs are the unsharded parameters of every group, with storage only while the group is gathered; each
@@ -46,6 +50,7 @@ from funcshard._collectives import (
     raw,
     reduce_scatter_grads,
     start_gather,
+    start_reduce_scatter,
 )
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._spec import ShardingError
@@ -137,6 +142,12 @@ class Step:
         self.order: list[str] = []  # the non-root groups in the order their forward first ran
         self.prefetched: set[str] = set()  # groups gathered early by the forward prefetch
         self._zeros: dict = {}
+        # Plain autograd (apply's own forward): the shards' gradients come back through one _StepToken node at
+        # the end of backward, so each group's reduce-scatter can finish while the next group's backward runs.
+        self.token: torch.Tensor | None = None  # _StepToken's output, held only while the forward runs
+        self.token_inputs: list[tuple[str, int]] = []  # (group, parameter index) of _StepToken's inputs
+        self.token_zero: torch.Tensor | None = None
+        self.reducing: tuple | None = None  # the reduce-scatter in flight: (group, PendingReduce, factor, extra)
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
     def unshard(self, name: str) -> None:
@@ -302,10 +313,11 @@ class Step:
                     gr.nodes_left += 1
                 gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
         elif _functorch_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
-            gr.views = _GroupGather.apply(self, name, *[state[p] for p in gr.group.params])
+            gr.views = _GroupGather.apply(self, name, None, *[state[p] for p in gr.group.params])
         else:
+            token = self.token if gr.trainable else None
             with _saving_views():
-                gr.views = _EAGER[_GroupGather].apply(self, name, *[state[p] for p in gr.group.params])
+                gr.views = _EAGER[_GroupGather].apply(self, name, token, *[state[p] for p in gr.group.params])
             node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
             if node is not None:
                 gr.node = weakref.ref(node)
@@ -477,6 +489,49 @@ class Step:
         with no_functorch():
             return reduce_scatter_grads(gr.layout, grads, self.pg, self.plan.divide_factor, gr.shards[0].device)
 
+    def post_backward_deferred(self, name: str, grads: list, extra: Any = None,
+                               factor: float | None = None) -> None:
+        """``post_backward`` whose reduce-scatter is taken later: in the next group's post-backward or when the
+        gradients are asked for (``finish_reduce_scatter``), so that it runs while that group's backward
+        computes (FSDP2 does the same on CUDA with its reduce-scatter stream)."""
+        gr = self.groups[name]
+        grads[:] = [None if g is None else raw(g) for g in grads]
+        self._grads_done(name)
+        with no_functorch():
+            pending = start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
+        self.finish_reduce_scatter()
+        self.reducing = (name, pending, self.plan.divide_factor if factor is None else factor, extra)
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and hand its shards to ``_reduced``."""
+        if self.reducing is None:
+            return
+        name, pending, factor, extra = self.reducing
+        self.reducing = None
+        with no_functorch():
+            out = pending.finish(factor)
+        self._reduced(name, out, extra)
+
+    def _reduced(self, name: str, out: list, task: Any) -> None:
+        """apply: keep the group's gradient shards for _StepToken's backward (summed over the group's uses)."""
+        gr = self.groups[name]
+        if gr.grad_shards is None or gr.task != task:
+            gr.task, gr.grad_shards = task, out
+        else:
+            gr.grad_shards = [b if a is None else a if b is None else a.add_(b) for a, b in zip(gr.grad_shards, out)]
+
+    def token_shard_grads(self) -> list[torch.Tensor | None]:
+        """_StepToken's backward: every trainable shard's reduce-scattered gradient (None: it got none)."""
+        self.finish_reduce_scatter()
+        task = torch._C._current_graph_task_id()
+        out = []
+        for name, i in self.token_inputs:
+            gr = self.groups[name]
+            out.append(gr.grad_shards[i] if gr.grad_shards is not None and gr.task == task else None)
+        for name, _ in self.token_inputs:
+            self.groups[name].grad_shards = None
+        return out
+
     def watch_inputs(self, name: str, args: tuple) -> tuple | None:
         """For a group with frozen parameters: free it once the gradients of its forward inputs are complete
         (then no backward op of the group can still read its parameters), and its own gradients are
@@ -541,9 +596,12 @@ class Step:
             c[0] = c[1]
 
     def end_of_backward(self) -> None:
+        self.finish_reduce_scatter()  # (its shards are dropped: nobody asked for them in this backward)
         for name, gr in self.groups.items():
             self.reshard(name)
             self._backward_ended(gr)
+            if self.token_inputs:
+                gr.grad_shards = None
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through
@@ -582,6 +640,13 @@ class Step:
             # functional_call semantics, with the aliases of tied parameters resolved once by the plan
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.fused = _single_grad_level() and any(t.requires_grad for t in self.state.values())
+            if (not self.fused and torch.is_grad_enabled() and not torch._C._functorch.get_interpreter_stack()
+                    and any(self.groups[g.name].trainable for g in plan.groups)):
+                trained = [(g.name, i, p) for g in plan.groups for i, p in enumerate(g.params)
+                           if self.state[p].requires_grad]
+                self.token_inputs = [(n, i) for n, i, _ in trained]
+                self.token = _StepToken.apply(self, *[self.state[p] for _, _, p in trained])
+                self.token_zero = torch.zeros((), device=self.token.device)  # each group's gradient for it
             if self.fused:
                 outs = _StepGather.apply(self, *self.fused_inputs())
                 k = 0
@@ -596,6 +661,7 @@ class Step:
             raise
         finally:
             self.in_forward = False
+            self.token = None  # the graph holds it (and this step): the step must not hold the graph
             if no_backward:
                 _remove(handles)
             for name, gr in self.groups.items():
@@ -817,30 +883,54 @@ class _StepGather(torch.autograd.Function):
         return (None, *ctx.step.fused_shard_grads())
 
 
-class _GroupGather(torch.autograd.Function):
-    """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers)."""
+class _StepToken(torch.autograd.Function):
+    """Plain autograd: every trainable shard of a step -> one scalar token, an input of each group's
+    ``_GroupGather``. The groups' backwards return no shard gradients, only a zero for the token; this node's
+    backward, which autograd runs once every group's backward is done, returns the reduce-scattered shards.
+    So no shard gradient is read (summed, accumulated into ``.grad``, captured) before its reduce-scatter has
+    finished, and each reduce-scatter can finish while the next group's backward computes."""
 
     @staticmethod
-    def forward(step: Step, name: str, *shards: torch.Tensor):
+    def forward(ctx, step: Step, *shards: torch.Tensor):
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        return torch.zeros((), device=shards[0].device)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return (None, *ctx.step.token_shard_grads())
+
+
+class _GroupGather(torch.autograd.Function):
+    """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers).
+    ``token``: ``_StepToken``'s output (plain autograd in ``apply``), or None: the shard gradients are returned
+    here, after the reduce-scatter."""
+
+    @staticmethod
+    def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):
         gr = step.groups[name]
         step.wait(name)
         return gr.layout.views(gr.padded)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.step, ctx.name = inputs[0], inputs[1]
+        ctx.step, ctx.name, ctx.token = inputs[0], inputs[1], inputs[2] is not None
         ctx.set_materialize_grads(False)  # None: the parameter got no gradient (reduce-scattered as zeros)
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = ctx.step.given_grads(ctx.name, grads)
+        step = ctx.step
+        grads = step.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
         if torch.is_grad_enabled():  # a backward with create_graph=True
             _warn_first_order()
-        return (None, None, *ctx.step.post_backward(ctx.name, grads))
+        if ctx.token:
+            step.post_backward_deferred(ctx.name, grads, extra=torch._C._current_graph_task_id())
+            return (None, None, step.token_zero, *[None] * len(grads))
+        return (None, None, None, *step.post_backward(ctx.name, grads))
 
     @staticmethod
-    def jvp(ctx, _step, _name, *tangents):
+    def jvp(ctx, _step, _name, _token, *tangents):
         # The tangent of a gather is the gather of the tangents (forward mode keeps nothing for later).
         return gather_tangents(ctx.step.groups[ctx.name].layout, tangents, ctx.step.pg, ctx.step.rank)
 
@@ -854,7 +944,7 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
         fn.setup_context(ctx, inputs, out)
         ctx.save_for_backward(*out)  # not for backward: Step._saved_views gets the views back from here
         # outputs of shards that take no gradient get none computed (FSDP2 skips frozen gradients too)
-        frozen = [o for o, i in zip(out, inputs[2:]) if isinstance(i, torch.Tensor) and not i.requires_grad]
+        frozen = [o for o, i in zip(out, inputs[3:]) if isinstance(i, torch.Tensor) and not i.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return out

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._collectives import no_functorch, raw, start_reduce_scatter
+from funcshard._collectives import raw
 from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
@@ -341,7 +341,6 @@ class _Step(Step):
         state = {f: r.leaf() for f, r in ctx.recs.items()}
         super().__init__(ctx.plan(), state)
         self.ctx, self.pending, self.fresh, self.graph, self.done = ctx, {}, False, False, False
-        self.reducing: tuple | None = None  # (group, PendingReduce, divide factor, which params had a gradient)
 
     def release(self, name: str) -> None:
         """Free the group and put the sharded parameters back on the modules (outside forward/backward)."""
@@ -376,25 +375,14 @@ class _Step(Step):
                 grads[i] = unit.acc.pop(p) if grads[i] is None else unit.acc.pop(p).add_(grads[i])
         factor = unit.divide_factor if unit.divide_factor is not None else self.plan.divide_factor
         had = [g is not None for g in grads]
-        self._grads_done(name)  # the unsharded parameters go first (FSDP2's order)
-        with no_functorch():
-            pending = start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
-        # The reduce-scatter runs while the backward of the group after this one computes; its result is taken
-        # (waited for, divided, put on the .grads) in that group's post-backward or at the end of backward, as
-        # FSDP2 does on CUDA with its reduce-scatter stream.
-        self.finish_reduce_scatter()
-        self.reducing = (name, pending, factor, had)
+        # the unsharded parameters are freed first (FSDP2's order); the reduce-scatter's shards are put on the
+        # .grads (_reduced) in the next group's post-backward or at the end of backward
+        self.post_backward_deferred(name, grads, extra=had, factor=factor)
         return [None] * len(grads)  # the gradients live on the DTensor parameters, not on the state
 
-    def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and accumulate its shards into the parameters' .grad."""
-        if self.reducing is None:
-            return
-        name, pending, factor, had = self.reducing
-        self.reducing = None
+    def _reduced(self, name: str, out: list, had: list[bool]) -> None:
+        """Accumulate a group's reduce-scattered shards into its parameters' DTensor ``.grad``."""
         unit = self.ctx.by_group[name]
-        with no_functorch():
-            out = pending.finish(factor)
         with torch.no_grad():
             for p, g, o in zip(self.groups[name].group.params, had, out):
                 r = self.ctx.recs[p]

@@ -807,6 +807,64 @@ def test_full_gradients_are_freed_before_the_reduce_scatter():
         assert alive == [0] * 12
 
 
+def _reduce_scatter_schedule():
+    """Issue and completion of each reduce-scatter against the blocks' backwards, for apply under
+    value_and_grad, under .backward(), and under torch.func.grad (which gathers the whole step at once)."""
+    from unittest import mock
+
+    import funcshard._collectives as C
+
+    log = []
+    issue, finish = C.reduce_scatter_into, C.PendingReduce.finish
+
+    def issued(out, inp, group, async_op=True):
+        log.append("rs")
+        return issue(out, inp, group, async_op)
+
+    def taken(pending, divide):
+        log.append("RS taken")
+        return finish(pending, divide)
+
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    def on_backward(i):  # a tensor hook on the block's output (full backward hooks refuse torch.func)
+        def forward_hook(mod, args, y):
+            y.register_hook(lambda g: log.append(f"bwd blocks.{i}"))
+
+        return forward_hook
+
+    for i, b in enumerate(model.blocks):
+        b.register_forward_hook(on_backward(i))
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    x = torch.randn(4, 7)
+    out = {}
+    with mock.patch.object(C, "reduce_scatter_into", issued), mock.patch.object(C.PendingReduce, "finish", taken):
+        for mode in ("value_and_grad", "backward", "torch.func"):
+            state = funcshard.shard(plan)
+            loss = lambda s: funcshard.apply(plan, s, x).square().sum()  # noqa: E731
+            if mode == "value_and_grad":
+                funcshard.value_and_grad(loss)(state)
+            elif mode == "backward":
+                loss({k: v.requires_grad_() for k, v in state.items()}).backward()
+            else:
+                torch.func.grad(loss)(state)
+            out[mode] = [e for e in log if e.startswith(("rs", "RS", "bwd"))]
+            log.clear()
+    return out
+
+
+def test_reduce_scatter_overlaps_the_next_backward():
+    """Under plain autograd each group's reduce-scatter is taken only after the next group's backward ran (the
+    shard gradients reach autograd through one node at the end of backward); torch.func's path takes it at
+    once."""
+    deferred = ["bwd blocks.2", "rs", "bwd blocks.1", "rs", "RS taken", "bwd blocks.0", "rs", "RS taken", "rs",
+                "RS taken", "RS taken"]  # blocks.2, .1, .0, then the root (its input layer's backward runs last)
+    for out in run_ranks(2, _reduce_scatter_schedule):
+        assert out["value_and_grad"] == out["backward"] == deferred, out
+        assert out["torch.func"] == ["bwd blocks.2", "rs", "RS taken", "bwd blocks.1", "rs", "RS taken",
+                                     "bwd blocks.0", "rs", "RS taken", "rs", "RS taken"], out
+
+
 class _SparseEmb(nn.Module):
     def __init__(self):
         super().__init__()
