@@ -8,8 +8,9 @@ Autograd nodes per group:
 - under plain autograd and ``torch.func.jvp``, ``_GroupGather``: shards -> unsharded parameters. Its backward
   is the group's post-backward: the unsharded parameters are freed, then one reduce-scatter per dtype of the
   parameters' gradients, divided once by ``plan.divide_factor``. Under plain autograd ``apply`` also passes
-  each group a token from one ``_StepToken`` node over all trainable shards: the groups' backwards return
-  no shard gradients, ``_StepToken``'s backward (the end of backward) returns them all, so a group's
+  the group a token from the group's ``_Relay`` node (its trainable shards -> a scalar): ``_GroupGather``
+  returns no shard gradients, the relay's backward returns them. The relay is made during the forward of
+  the group before it (in the plan's order), so autograd runs it after that group's backward: a group's
   reduce-scatter is taken only in the next group's post-backward and runs while that group's backward
   computes. (``fully_shard`` takes it there too and puts the shards on the parameters' ``.grad``.)
 - under a ``torch.func`` grad transform, one ``_StepGather`` for the whole step instead (each
@@ -142,11 +143,11 @@ class Step:
         self.order: list[str] = []  # the non-root groups in the order their forward first ran
         self.prefetched: set[str] = set()  # groups gathered early by the forward prefetch
         self._zeros: dict = {}
-        # Plain autograd (apply's own forward): the shards' gradients come back through one _StepToken node at
-        # the end of backward, so each group's reduce-scatter can finish while the next group's backward runs.
-        self.token: torch.Tensor | None = None  # _StepToken's output, held only while the forward runs
-        self.token_inputs: list[tuple[str, int]] = []  # (group, parameter index) of _StepToken's inputs
-        self.token_zero: torch.Tensor | None = None
+        # Plain autograd (apply's own forward): each group's shard gradients come back through its _Relay
+        # node, so that its reduce-scatter can finish while the next group's backward runs.
+        self.relaying = False  # this forward makes relays (run() sets it)
+        self.relays: dict[str, torch.Tensor] = {}  # group -> its relay's token, held only while forward runs
+        self.token_zero: torch.Tensor | None = None  # each group's gradient for its token
         self.reducing: tuple | None = None  # the reduce-scatter in flight: (group, PendingReduce, factor, extra)
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
@@ -315,7 +316,10 @@ class Step:
         elif _functorch_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
             gr.views = _GroupGather.apply(self, name, None, *[state[p] for p in gr.group.params])
         else:
-            token = self.token if gr.trainable else None
+            token = None
+            if self.relaying and gr.trainable and torch.is_grad_enabled():  # (a no-grad use needs no relay)
+                token = self._relay(name)
+                self._relay(self._next_trainable(name))  # made now: autograd runs it after this group's backward
             with _saving_views():
                 gr.views = _EAGER[_GroupGather].apply(self, name, token, *[state[p] for p in gr.group.params])
             node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
@@ -512,25 +516,53 @@ class Step:
             out = pending.finish(factor)
         self._reduced(name, out, extra)
 
+    def drop_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left)."""
+        if self.reducing is not None:
+            _, pending, factor, _ = self.reducing
+            self.reducing = None
+            with no_functorch():
+                pending.finish(factor)
+
+    def _relay(self, name: str | None) -> torch.Tensor | None:
+        """The token of ``name``'s relay, made on first request."""
+        if name is None:
+            return None
+        token = self.relays.get(name)
+        if token is None:
+            shards = [self.state[p] for p in self.groups[name].group.params if self.state[p].requires_grad]
+            token = self.relays[name] = _Relay.apply(self, name, *shards)
+            if self.token_zero is None:
+                self.token_zero = torch.zeros((), device=token.device)
+        return token
+
+    def _next_trainable(self, name: str) -> str | None:
+        """The trainable group after ``name`` in the plan's order that has no relay yet (the forward runs in
+        the plan's order unless warned; if not, a relay is just made later, and waits a little longer)."""
+        names = [g.name for g in self.plan.groups]
+        for other in names[names.index(name) + 1 :]:
+            if self.groups[other].trainable and other not in self.relays:
+                return other
+        return None
+
+    def relay_grads(self, name: str) -> list[torch.Tensor | None]:
+        """``name``'s relay backward: its trainable shards' reduce-scattered gradients (None: none came)."""
+        gr = self.groups[name]
+        task = torch._C._current_graph_task_id()
+        if self.reducing is not None and self.reducing[0] == name and self.reducing[3] == task:
+            self.finish_reduce_scatter()  # (the relay ran before the next group's post-backward took it)
+        got = gr.grad_shards if gr.grad_shards is not None and gr.task == task else None
+        gr.grad_shards = None  # autograd owns them now (no second reference: .grad can take them over)
+        return [None if got is None else got[i] for i, p in enumerate(gr.group.params)
+                if self.state[p].requires_grad]
+
     def _reduced(self, name: str, out: list, task: Any) -> None:
-        """apply: keep the group's gradient shards for _StepToken's backward (summed over the group's uses)."""
+        """apply: keep the group's gradient shards for its relay's backward (summed over the group's uses)."""
         gr = self.groups[name]
         if gr.grad_shards is None or gr.task != task:
             gr.task, gr.grad_shards = task, out
         else:
             gr.grad_shards = [b if a is None else a if b is None else a.add_(b) for a, b in zip(gr.grad_shards, out)]
-
-    def token_shard_grads(self) -> list[torch.Tensor | None]:
-        """_StepToken's backward: every trainable shard's reduce-scattered gradient (None: it got none)."""
-        self.finish_reduce_scatter()
-        task = torch._C._current_graph_task_id()
-        out = []
-        for name, i in self.token_inputs:
-            gr = self.groups[name]
-            out.append(gr.grad_shards[i] if gr.grad_shards is not None and gr.task == task else None)
-        for name, _ in self.token_inputs:
-            self.groups[name].grad_shards = None
-        return out
 
     def watch_inputs(self, name: str, args: tuple) -> tuple | None:
         """For a group with frozen parameters: free it once the gradients of its forward inputs are complete
@@ -600,8 +632,8 @@ class Step:
         for name, gr in self.groups.items():
             self.reshard(name)
             self._backward_ended(gr)
-            if self.token_inputs:
-                gr.grad_shards = None
+            if self.relaying:
+                gr.grad_shards = None  # (a relay that did not run in this backward)
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through
@@ -640,13 +672,8 @@ class Step:
             # functional_call semantics, with the aliases of tied parameters resolved once by the plan
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.fused = _single_grad_level() and any(t.requires_grad for t in self.state.values())
-            if (not self.fused and torch.is_grad_enabled() and not torch._C._functorch.get_interpreter_stack()
-                    and any(self.groups[g.name].trainable for g in plan.groups)):
-                trained = [(g.name, i, p) for g in plan.groups for i, p in enumerate(g.params)
-                           if self.state[p].requires_grad]
-                self.token_inputs = [(n, i) for n, i, _ in trained]
-                self.token = _StepToken.apply(self, *[self.state[p] for _, _, p in trained])
-                self.token_zero = torch.zeros((), device=self.token.device)  # each group's gradient for it
+            self.relaying = (not self.fused and torch.is_grad_enabled()
+                             and not torch._C._functorch.get_interpreter_stack())
             if self.fused:
                 outs = _StepGather.apply(self, *self.fused_inputs())
                 k = 0
@@ -661,7 +688,8 @@ class Step:
             raise
         finally:
             self.in_forward = False
-            self.token = None  # the graph holds it (and this step): the step must not hold the graph
+            self.relays.clear()  # the graph holds them (and this step): the step must not hold the graph
+            self.relaying = False
             if no_backward:
                 _remove(handles)
             for name, gr in self.groups.items():
@@ -883,28 +911,28 @@ class _StepGather(torch.autograd.Function):
         return (None, *ctx.step.fused_shard_grads())
 
 
-class _StepToken(torch.autograd.Function):
-    """Plain autograd: every trainable shard of a step -> one scalar token, an input of each group's
-    ``_GroupGather``. The groups' backwards return no shard gradients, only a zero for the token; this node's
-    backward, which autograd runs once every group's backward is done, returns the reduce-scattered shards.
-    So no shard gradient is read (summed, accumulated into ``.grad``, captured) before its reduce-scatter has
-    finished, and each reduce-scatter can finish while the next group's backward computes."""
+class _Relay(torch.autograd.Function):
+    """Plain autograd: a group's trainable shards -> a scalar token, an input of the group's ``_GroupGather``.
+    The gather's backward returns no shard gradients (only a zero for the token); the relay's backward
+    returns them, once the reduce-scatter finished. Made during the previous group's forward, the relay runs
+    after that group's backward (autograd runs ready nodes newest first), so the reduce-scatter overlaps it,
+    and no shard gradient is read (summed, accumulated into ``.grad``, captured) before it is final."""
 
     @staticmethod
-    def forward(ctx, step: Step, *shards: torch.Tensor):
-        ctx.step = step
+    def forward(ctx, step: Step, name: str, *shards: torch.Tensor):
+        ctx.step, ctx.name = step, name
         ctx.set_materialize_grads(False)
         return torch.zeros((), device=shards[0].device)
 
     @staticmethod
     def backward(ctx, _token_grad):
-        return (None, *ctx.step.token_shard_grads())
+        return (None, None, *ctx.step.relay_grads(ctx.name))
 
 
 class _GroupGather(torch.autograd.Function):
     """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers).
-    ``token``: ``_StepToken``'s output (plain autograd in ``apply``), or None: the shard gradients are returned
-    here, after the reduce-scatter."""
+    ``token``: the group's ``_Relay`` output (plain autograd in ``apply``), or None: the shard gradients are
+    returned here, after the reduce-scatter."""
 
     @staticmethod
     def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):

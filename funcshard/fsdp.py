@@ -284,7 +284,7 @@ class _Context:
         new = _Step(self)
         new.fresh = fresh
         if old is not None:
-            old.finish_reduce_scatter()  # (a backward that raised half-way left one in flight)
+            old.drop_reduce_scatter()  # a backward that raised half-way: its gradients are not put on .grad
             reuse = old.done or not old.graph
             for name, gr in old.groups.items():
                 if reuse and gr.status is not _Status.SHARDED and name in new.groups:
@@ -592,8 +592,10 @@ class FSDPModule:
             return
         if ctx.top is not unit:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-        for name in ctx.step.groups if ctx.step is not None else ():
-            ctx.step.release(name)
+        if ctx.step is not None:
+            ctx.step.drop_reduce_scatter()
+            for name in ctx.step.groups:
+                ctx.step.release(name)
         ctx.step, ctx.fwd_root = None, None
         for u in ctx.units:
             u.acc.clear()

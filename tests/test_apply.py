@@ -839,15 +839,18 @@ def _reduce_scatter_schedule():
     x = torch.randn(4, 7)
     out = {}
     with mock.patch.object(C, "reduce_scatter_into", issued), mock.patch.object(C.PendingReduce, "finish", taken):
-        for mode in ("value_and_grad", "backward", "torch.func"):
+        for mode in ("value_and_grad", "backward", "torch.func", "grad_of_last_block"):
             state = funcshard.shard(plan)
             loss = lambda s: funcshard.apply(plan, s, x).square().sum()  # noqa: E731
             if mode == "value_and_grad":
                 funcshard.value_and_grad(loss)(state)
             elif mode == "backward":
                 loss({k: v.requires_grad_() for k, v in state.items()}).backward()
-            else:
+            elif mode == "torch.func":
                 torch.func.grad(loss)(state)
+            else:  # only what that block's gradient needs runs (one reduce-scatter)
+                leaves = {k: v.requires_grad_() for k, v in state.items()}
+                torch.autograd.grad(loss(leaves), [v for k, v in leaves.items() if k.startswith("blocks.2.")])
             out[mode] = [e for e in log if e.startswith(("rs", "RS", "bwd"))]
             log.clear()
     return out
@@ -855,14 +858,15 @@ def _reduce_scatter_schedule():
 
 def test_reduce_scatter_overlaps_the_next_backward():
     """Under plain autograd each group's reduce-scatter is taken only after the next group's backward ran (the
-    shard gradients reach autograd through one node at the end of backward); torch.func's path takes it at
-    once."""
+    shard gradients reach autograd through the group's relay node, which autograd runs after that); torch.func's
+    path takes it at once; a gradient for one block's shards runs only that block's reduce-scatter."""
     deferred = ["bwd blocks.2", "rs", "bwd blocks.1", "rs", "RS taken", "bwd blocks.0", "rs", "RS taken", "rs",
                 "RS taken", "RS taken"]  # blocks.2, .1, .0, then the root (its input layer's backward runs last)
     for out in run_ranks(2, _reduce_scatter_schedule):
         assert out["value_and_grad"] == out["backward"] == deferred, out
         assert out["torch.func"] == ["bwd blocks.2", "rs", "RS taken", "bwd blocks.1", "rs", "RS taken",
                                      "bwd blocks.0", "rs", "RS taken", "rs", "RS taken"], out
+        assert out["grad_of_last_block"] == ["bwd blocks.2", "rs", "RS taken"], out
 
 
 class _SparseEmb(nn.Module):

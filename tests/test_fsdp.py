@@ -593,6 +593,47 @@ class _Skipping(MLP):
         return self.out(h)
 
 
+class _FailOnce(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.fail:
+            _FailOnce.fail = False
+            raise RuntimeError("transient failure")  # e.g. a caught out-of-memory error
+        return g
+
+
+def _aborted_backward():
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = _nested(funcshard, MLP(layers=3), mesh)
+    model.blocks[0].register_forward_hook(lambda m, a, y: _FailOnce.apply(y))  # after blocks.2/.1's backward
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _mlp_batch(0)
+    loss = lambda: F.mse_loss(model(x), y)  # noqa: E731
+    loss().backward()
+    clean = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    _FailOnce.fail = True
+    try:
+        loss().backward()
+    except RuntimeError:
+        opt.zero_grad()  # skip this batch
+    loss().backward()  # the same batch again
+    return [n for n, p in model.named_parameters() if not torch.allclose(p.grad.full_tensor(), clean[n])]
+
+
+def test_aborted_backward_puts_nothing_on_grad_later():
+    """A reduce-scatter left in flight by a backward that raised is dropped, not added to .grad at the next
+    forward (after the user's zero_grad)."""
+    assert run_ranks(2, _aborted_backward) == [[], []]
+
+
 def test_settings_change_the_schedule():
     out = run_ranks(2, _schedule)[0]
     # (all-gathers, reduce-scatters) per backward step; MLP(layers=3) has 4 groups of one dtype each
