@@ -501,9 +501,11 @@ class Step:
         gr = self.groups[name]
         grads[:] = [None if g is None else raw(g) for g in grads]
         self._grads_done(name)
+        # the previous group's reduce-scatter (it ran during this group's backward) is taken first, so its
+        # buffers are gone before this one's are allocated: only one reduce-scatter's buffers live at a time
+        self.finish_reduce_scatter()
         with no_functorch():
             pending = start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
-        self.finish_reduce_scatter()
         self.reducing = (name, pending, self.plan.divide_factor if factor is None else factor, extra)
 
     def finish_reduce_scatter(self) -> None:

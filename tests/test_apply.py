@@ -860,8 +860,8 @@ def test_reduce_scatter_overlaps_the_next_backward():
     """Under plain autograd each group's reduce-scatter is taken only after the next group's backward ran (the
     shard gradients reach autograd through the group's relay node, which autograd runs after that); torch.func's
     path takes it at once; a gradient for one block's shards runs only that block's reduce-scatter."""
-    deferred = ["bwd blocks.2", "rs", "bwd blocks.1", "rs", "RS taken", "bwd blocks.0", "rs", "RS taken", "rs",
-                "RS taken", "RS taken"]  # blocks.2, .1, .0, then the root (its input layer's backward runs last)
+    deferred = ["bwd blocks.2", "rs", "bwd blocks.1", "RS taken", "rs", "bwd blocks.0", "RS taken", "rs", "RS taken",
+                "rs", "RS taken"]  # blocks.2, .1, .0, then the root (its input layer's backward runs last)
     for out in run_ranks(2, _reduce_scatter_schedule):
         assert out["value_and_grad"] == out["backward"] == deferred, out
         assert out["torch.func"] == ["bwd blocks.2", "rs", "RS taken", "bwd blocks.1", "rs", "RS taken",

@@ -593,6 +593,41 @@ class _Skipping(MLP):
         return self.out(h)
 
 
+def _peak_step_memory():
+    """Peak live bytes of one forward+backward (parameters not counted), FSDP2 vs fully_shard vs apply, on
+    wide blocks and a small batch (gradients dominate activations, as in the benchmark's gpt-30M at W=4)."""
+    from memtrack import PeakBytes
+
+    mesh = _mesh()
+    x, y = torch.randn(2, 7), torch.randn(2, 3)
+    out = {}
+    for name, fs in SYSTEMS.items():
+        torch.manual_seed(0)
+        model = _nested(fs, MLP(d=96, layers=4), mesh)
+        F.mse_loss(model(x), y).backward()  # warm up, then the step with .grad already allocated
+        ignore = [p.to_local() for p in model.parameters()] + [x, y]
+        with PeakBytes(ignore) as mem:
+            F.mse_loss(model(x), y).backward()
+        out[name] = mem.peak
+    torch.manual_seed(0)
+    plan = funcshard.plan(MLP(d=96, layers=4), mesh, groups=(Block,))
+    state = funcshard.shard(plan)
+    step = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(plan, s, x), y))
+    step(state)
+    with PeakBytes([*state.values(), x, y]) as mem:
+        _, grads = step(state)
+    out["apply"] = mem.peak
+    return out
+
+
+def test_step_peak_memory_is_at_most_fsdp2s():
+    """The reduce-scatter that overlaps the next group's backward holds no more than FSDP2 does at its peak:
+    the previous group's reduce-scatter is taken before this group's buffers are allocated."""
+    for out in run_ranks(4, _peak_step_memory):
+        assert out["funcshard"] <= out["torch"], out
+        assert out["apply"] <= out["torch"] + 5 * 4, out  # + apply's relay tokens (one scalar per group)
+
+
 class _FailOnce(torch.autograd.Function):
     fail = False
 
@@ -643,8 +678,8 @@ def test_settings_change_the_schedule():
     assert out["set_rsf_true"] == [(8, 4)]
     assert out["no_sync"] == [(7, 0), (7, 0), (7, 4)]  # reduce-scatter only on the synced microbatch
     assert out["no_sync_keep_unsharded"] == [(7, 0), (3, 0), (3, 4)]  # parameters kept from the last backward
-    assert out["reduce_scatter_overlap"] == ["bwd blocks.2", "rs", "bwd blocks.1", "rs", "RS taken",
-                                             "bwd blocks.0", "rs", "RS taken", "rs", "RS taken", "RS taken"], \
+    assert out["reduce_scatter_overlap"] == ["bwd blocks.2", "rs", "bwd blocks.1", "RS taken", "rs",
+                                             "bwd blocks.0", "RS taken", "rs", "RS taken", "rs", "RS taken"], \
         out["reduce_scatter_overlap"]  # blocks.2, .1, .0, then the root (its input layer runs last)
     assert out["unshard_in_backward"] == [7, 6]  # 4 groups; the embedding's is not gathered for backward
     assert out["order_default"] == ["AG <root>", "AG blocks.0", "AG blocks.1", "fwd blocks.0", "AG blocks.2",
