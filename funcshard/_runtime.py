@@ -148,6 +148,8 @@ class Step:
         self.relaying = False  # this forward makes relays (run() sets it)
         self.relays: dict[str, torch.Tensor] = {}  # group -> its relay's token, held only while forward runs
         self.token_zero: torch.Tensor | None = None  # each group's gradient for its token
+        self._names = tuple(self.groups)  # the plan's order
+        self._position = {n: i for i, n in enumerate(self._names)}
         self.reducing: tuple | None = None  # the reduce-scatter in flight: (group, PendingReduce, factor, extra)
 
     # ---- the group lifecycle: SHARDED -> GATHERING -> GATHERED -> SHARDED ----------------------
@@ -541,10 +543,10 @@ class Step:
     def _next_trainable(self, name: str) -> str | None:
         """The trainable group after ``name`` in the plan's order that has no relay yet (the forward runs in
         the plan's order unless warned; if not, a relay is just made later, and waits a little longer)."""
-        names = [g.name for g in self.plan.groups]
-        for other in names[names.index(name) + 1 :]:
-            if self.groups[other].trainable and other not in self.relays:
-                return other
+        names = self._names
+        for k in range(self._position[name] + 1, len(names)):
+            if self.groups[names[k]].trainable and names[k] not in self.relays:
+                return names[k]
         return None
 
     def relay_grads(self, name: str) -> list[torch.Tensor | None]:
