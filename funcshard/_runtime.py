@@ -534,8 +534,9 @@ class Step:
             return None
         token = self.relays.get(name)
         if token is None:
-            shards = [self.state[p] for p in self.groups[name].group.params if self.state[p].requires_grad]
-            token = self.relays[name] = _Relay.apply(self, name, *shards)
+            params = self.groups[name].group.params
+            index = tuple(i for i, p in enumerate(params) if self.state[p].requires_grad)  # (fixed now)
+            token = self.relays[name] = _Relay.apply(self, name, index, *[self.state[params[i]] for i in index])
             if self.token_zero is None:
                 self.token_zero = torch.zeros((), device=token.device)
         return token
@@ -549,16 +550,16 @@ class Step:
                 return names[k]
         return None
 
-    def relay_grads(self, name: str) -> list[torch.Tensor | None]:
-        """``name``'s relay backward: its trainable shards' reduce-scattered gradients (None: none came)."""
+    def relay_grads(self, name: str, index: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """``name``'s relay backward: the reduce-scattered gradients of its inputs, the group's parameters at
+        ``index`` (None: none came)."""
         gr = self.groups[name]
         task = torch._C._current_graph_task_id()
         if self.reducing is not None and self.reducing[0] == name and self.reducing[3] == task:
             self.finish_reduce_scatter()  # (the relay ran before the next group's post-backward took it)
         got = gr.grad_shards if gr.grad_shards is not None and gr.task == task else None
         gr.grad_shards = None  # autograd owns them now (no second reference: .grad can take them over)
-        return [None if got is None else got[i] for i, p in enumerate(gr.group.params)
-                if self.state[p].requires_grad]
+        return [None if got is None else got[i] for i in index]
 
     def _reduced(self, name: str, out: list, task: Any) -> None:
         """apply: keep the group's gradient shards for its relay's backward (summed over the group's uses)."""
@@ -636,8 +637,6 @@ class Step:
         for name, gr in self.groups.items():
             self.reshard(name)
             self._backward_ended(gr)
-            if self.relaying:
-                gr.grad_shards = None  # (a relay that did not run in this backward)
             if gr.views is not None and gr.hooked is not None:
                 # The graph holds _StepGather's node, which holds this step: strong references from the step
                 # back into the graph (the views) would be a cycle that Python's collector cannot see through
@@ -666,6 +665,8 @@ class Step:
             for old in list(steps):
                 if old.backward_started:  # its backward raised half-way: finish it (free, unhook) now
                     old.end_of_backward()
+                    for gr in old.groups.values():  # and what its relays did not hand on
+                        gr.grad_shards = None
         steps.add(self)
         no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
         root = self.groups[ROOT]
@@ -923,14 +924,14 @@ class _Relay(torch.autograd.Function):
     and no shard gradient is read (summed, accumulated into ``.grad``, captured) before it is final."""
 
     @staticmethod
-    def forward(ctx, step: Step, name: str, *shards: torch.Tensor):
-        ctx.step, ctx.name = step, name
+    def forward(ctx, step: Step, name: str, index: tuple[int, ...], *shards: torch.Tensor):
+        ctx.step, ctx.name, ctx.index = step, name, index
         ctx.set_materialize_grads(False)
         return torch.zeros((), device=shards[0].device)
 
     @staticmethod
     def backward(ctx, _token_grad):
-        return (None, None, *ctx.step.relay_grads(ctx.name))
+        return (None, None, None, *ctx.step.relay_grads(ctx.name, ctx.index))
 
 
 class _GroupGather(torch.autograd.Function):

@@ -869,6 +869,48 @@ def test_reduce_scatter_overlaps_the_next_backward():
         assert out["grad_of_last_block"] == ["bwd blocks.2", "rs", "RS taken"], out
 
 
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def _relay_edges():
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    x = torch.randn(4, 7)
+    out = {}
+    # a shard frozen between forward and backward: it gets no gradient, the others theirs
+    state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
+    loss = funcshard.apply(plan, state, x).square().sum()
+    state["blocks.1.l1.weight"].requires_grad_(False)
+    loss.backward()
+    out["no_grad"] = [k for k, v in state.items() if v.grad is None]
+    # a backward that raised half-way: the next forward ends it, and its step keeps no gradient shards
+    state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
+    hook = model.blocks[0].register_forward_hook(lambda m, a, y: _Raise.apply(y))
+    loss = funcshard.apply(plan, state, x).sum()
+    old = next(iter(plan._funcshard_steps))
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    hook.remove()
+    funcshard.apply(plan, state, x).sum()  # a new step while the old graph (`loss`) is still alive
+    out["kept"] = [n for n, gr in old.groups.items() if gr.grad_shards is not None]
+    return out
+
+
+def test_relays_after_a_change_or_an_abort():
+    """apply's relays: a shard whose requires_grad is switched off between forward and backward gets no
+    gradient (the rest theirs); an aborted backward's step keeps no gradient shards once the next forward ran."""
+    for out in run_ranks(2, _relay_edges):
+        assert out == {"no_grad": ["blocks.1.l1.weight"], "kept": []}, out
+
+
 class _SparseEmb(nn.Module):
     def __init__(self):
         super().__init__()
