@@ -152,7 +152,9 @@ def install_phase_wrappers() -> None:
     _patch(_runtime, "start_gather", COPY_IN)
     _patch(_collectives, "all_gather_into", ISSUE_AG)
     _patch(_collectives.PendingGather, "finish", COPY_OUT)
-    _patch(_runtime, "reduce_scatter_grads", RS_BUILD)
+    _patch(_runtime, "reduce_scatter_grads", RS_BUILD)  # (older runtimes)
+    _patch(_runtime, "start_reduce_scatter", RS_BUILD)  # input build + issue; divide + split in finish
+    _patch(_collectives.PendingReduce, "finish", RS_BUILD)
     _patch(_collectives, "reduce_scatter_into", ISSUE_RS)
     # (not Step.run: the whole forward's compute runs inside it)
     for m in ("gather_for_forward", "post_forward", "wrap_for_backward", "pre_backward", "post_backward",

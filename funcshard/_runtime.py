@@ -49,7 +49,6 @@ from funcshard._collectives import (
     gather_tangents,
     no_functorch,
     raw,
-    reduce_scatter_grads,
     start_gather,
     start_reduce_scatter,
 )
@@ -489,44 +488,46 @@ class Step:
     def post_backward(self, name: str, grads: list) -> list[torch.Tensor]:
         """Free the group, then reduce-scatter its full gradients (consumes ``grads``): FSDP2's order, so that
         the unsharded parameters are gone before the reduce-scatter's buffers are allocated."""
-        gr = self.groups[name]
-        grads[:] = [None if g is None else raw(g) for g in grads]  # in place (no loop variable left holding one)
-        self._grads_done(name)
+        pending = self._start_reduce_scatter(name, grads)
         with no_functorch():
-            return reduce_scatter_grads(gr.layout, grads, self.pg, self.plan.divide_factor, gr.shards[0].device)
+            return pending.finish(self.plan.divide_factor)
 
     def post_backward_deferred(self, name: str, grads: list, extra: Any = None,
                                factor: float | None = None) -> None:
         """``post_backward`` whose reduce-scatter is taken later: in the next group's post-backward or when the
         gradients are asked for (``finish_reduce_scatter``), so that it runs while that group's backward
         computes (FSDP2 does the same on CUDA with its reduce-scatter stream)."""
-        gr = self.groups[name]
-        grads[:] = [None if g is None else raw(g) for g in grads]
-        self._grads_done(name)
-        # the previous group's reduce-scatter (it ran during this group's backward) is taken first, so its
-        # buffers are gone before this one's are allocated: only one reduce-scatter's buffers live at a time
-        self.finish_reduce_scatter()
-        with no_functorch():
-            pending = start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
+        pending = self._start_reduce_scatter(name, grads)
         self.reducing = (name, pending, self.plan.divide_factor if factor is None else factor, extra)
 
-    def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and hand its shards to ``_reduced``."""
+    def _start_reduce_scatter(self, name: str, grads: list):
+        """Free the group (``_grads_done``), then issue its reduce-scatter (consumes ``grads``). The one still in
+        flight (it ran during this group's backward) is taken first, so its buffers are gone before this one's
+        are allocated: only one reduce-scatter's buffers live at a time."""
+        gr = self.groups[name]
+        grads[:] = [None if g is None else raw(g) for g in grads]  # in place (no loop variable left holding one)
+        self._grads_done(name)
+        self.finish_reduce_scatter()
+        with no_functorch():
+            return start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
+
+    def _take_reduce_scatter(self) -> tuple | None:
+        """Wait for the reduce-scatter in flight, if any: (group, its shards, extra)."""
         if self.reducing is None:
-            return
+            return None
         name, pending, factor, extra = self.reducing
         self.reducing = None
         with no_functorch():
-            out = pending.finish(factor)
-        self._reduced(name, out, extra)
+            return name, pending.finish(factor), extra
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and hand its shards to ``_reduced``."""
+        if (taken := self._take_reduce_scatter()) is not None:
+            self._reduced(*taken)
 
     def drop_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left)."""
-        if self.reducing is not None:
-            _, pending, factor, _ = self.reducing
-            self.reducing = None
-            with no_functorch():
-                pending.finish(factor)
+        self._take_reduce_scatter()
 
     def _relay(self, name: str | None) -> torch.Tensor | None:
         """The token of ``name``'s relay, made on first request."""
