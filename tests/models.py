@@ -9,6 +9,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class FailOnce(torch.autograd.Function):
+    """Identity whose backward raises once when ``FailOnce.fail`` is set (a transient failure, e.g. a caught
+    out-of-memory error), then passes gradients on again."""
+
+    fail = False
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        if FailOnce.fail:
+            FailOnce.fail = False
+            raise RuntimeError("transient failure in backward")
+        return g
+
+
 class Block(nn.Module):
     def __init__(self, d: int, hidden: int | None = None):
         super().__init__()

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import funcshard
 from funcshard import ShardingError, optim
 from funcshard._collectives import Buckets
-from models import GPT, MLP, Block, GPTBlock, ReversedMLP
+from models import GPT, MLP, Block, FailOnce, GPTBlock, ReversedMLP
 from multirank import run_ranks
 from test_foundation import CollectiveCounter
 
@@ -655,25 +655,6 @@ class _NoGradB(torch.autograd.Function):
         return g, None
 
 
-class _Boom(torch.autograd.Function):
-    fail = False
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.fail:
-            _Boom.fail = False
-            raise RuntimeError("transient failure in backward")
-        return g
-
-
 class _Pair(nn.Module):
     def __init__(self):
         super().__init__()
@@ -696,7 +677,7 @@ class _Edges(nn.Module):
         h = self.inp(x)
         with torch.no_grad():
             r = self.block(h)  # recycling: the group's first use is under no_grad
-        h = _Boom.apply(self.block(h + r))
+        h = FailOnce.apply(self.block(h + r))
         u, v = self.pair(h)  # a group with two outputs
         return self.head(_NoGradB.apply(u * v, self.bias))
 
@@ -720,7 +701,7 @@ def _backward_edges():
             state = funcshard.shard(plan)
             want = funcshard.shard(plan, ref)
             out, vjp_fn = torch.func.vjp(lambda s: funcshard.apply(plan, s, x), state)
-            _Boom.fail = True
+            FailOnce.fail = True
             with pytest.raises(RuntimeError, match="transient failure"):
                 vjp_fn(cot)  # a backward that aborts half-way
             for _ in range(2):  # retried, and called again through the same graph
@@ -869,16 +850,6 @@ def test_reduce_scatter_overlaps_the_next_backward():
         assert out["grad_of_last_block"] == ["bwd blocks.2", "rs", "RS taken"], out
 
 
-class _Raise(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("boom")
-
-
 def _relay_edges():
     torch.manual_seed(0)
     model = MLP(layers=3)
@@ -893,10 +864,11 @@ def _relay_edges():
     out["no_grad"] = [k for k, v in state.items() if v.grad is None]
     # a backward that raised half-way: the next forward ends it, and its step keeps no gradient shards
     state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
-    hook = model.blocks[0].register_forward_hook(lambda m, a, y: _Raise.apply(y))
+    hook = model.blocks[0].register_forward_hook(lambda m, a, y: FailOnce.apply(y))
     loss = funcshard.apply(plan, state, x).sum()
     old = next(iter(plan._funcshard_steps))
-    with pytest.raises(RuntimeError, match="boom"):
+    FailOnce.fail = True
+    with pytest.raises(RuntimeError, match="transient failure"):
         loss.backward()
     hook.remove()
     funcshard.apply(plan, state, x).sum()  # a new step while the old graph (`loss`) is still alive
@@ -1020,7 +992,7 @@ class _SharedFrozen(nn.Module):
         h = checkpoint(self.other, h, use_reentrant=True) if self.reentrant else self.other(h)
         with torch.no_grad():
             self.shared(h.detach(), [])  # used again under no_grad: its autograd views stay
-        return self.out(_Boom.apply(h))
+        return self.out(FailOnce.apply(h))
 
 
 def _robust_backward():
@@ -1037,7 +1009,7 @@ def _robust_backward():
         plan = funcshard.plan(model, _mesh(), groups=(Block,), reshard_after_forward=reshard)
         want = funcshard.shard(plan, ref)
         state = {k: v.requires_grad_(model.get_parameter(k).requires_grad) for k, v in funcshard.shard(plan).items()}
-        _Boom.fail = True
+        FailOnce.fail = True
         leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}
         with pytest.raises(RuntimeError, match="transient failure"):
             funcshard.apply(plan, leaves, x).square().sum().backward()  # e.g. a caught out-of-memory

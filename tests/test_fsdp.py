@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import funcshard
-from models import GPT, MLP, Block, ReversedMLP
+from models import GPT, MLP, Block, FailOnce, ReversedMLP
 from multirank import run_ranks
 
 TOL = 1e-6
@@ -635,33 +635,18 @@ def test_step_peak_memory_is_at_most_fsdp2s():
         assert out["apply"] <= out["torch"] + 5 * 4, out  # + apply's relay tokens (one scalar per group)
 
 
-class _FailOnce(torch.autograd.Function):
-    fail = False
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _FailOnce.fail:
-            _FailOnce.fail = False
-            raise RuntimeError("transient failure")  # e.g. a caught out-of-memory error
-        return g
-
-
 def _aborted_backward():
     mesh = _mesh()
     torch.manual_seed(0)
     model = _nested(funcshard, MLP(layers=3), mesh)
-    model.blocks[0].register_forward_hook(lambda m, a, y: _FailOnce.apply(y))  # after blocks.2/.1's backward
+    model.blocks[0].register_forward_hook(lambda m, a, y: FailOnce.apply(y))  # after blocks.2/.1's backward
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _mlp_batch(0)
     loss = lambda: F.mse_loss(model(x), y)  # noqa: E731
     loss().backward()
     clean = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     opt.zero_grad()
-    _FailOnce.fail = True
+    FailOnce.fail = True
     try:
         loss().backward()
     except RuntimeError:
