@@ -49,8 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WAIT = "trace::wait"
-MODELS = {"tiny": S.ModelConfig("tiny-33g", 128, 32, 2, 32, 16, 1),
-          "m10": S.ModelConfig("gpt-10M", 4096, 256, 4, 12, 128, 2)}
+MODELS = {"tiny": bench.TINY, "m10": bench.M10}  # the benchmark's 33-group and 10M models
 
 
 # ---- interval arithmetic on a chrome trace ---------------------------------------------------------------
@@ -232,11 +231,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     names, cfg = args.systems.split(","), MODELS[args.model]
     args.out.mkdir(parents=True, exist_ok=True)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = bench._free_port()
     with tempfile.TemporaryDirectory(prefix="fstrace") as tmp:
         mp.start_processes(_worker, args=(args.world, port, dataclasses.asdict(cfg), names, args.steps, tmp),
                            nprocs=args.world, join=True, start_method="spawn")
