@@ -45,6 +45,13 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def raw_grads(grads: list) -> None:
+    """In place: each gradient as a plain tensor (``raw``); one that is already plain and has no autograd
+    history (the usual case) is kept as it is. In place, so that no loop variable is left holding one."""
+    grads[:] = [g if g is None or not (g.requires_grad or is_functorch_wrapped_tensor(g)) else raw(g)
+                for g in grads]
+
+
 def no_functorch():
     """In-place and communication work inside a backward under a functorch transform runs with functorch off."""
     return torch._C._DisableFuncTorch()
@@ -262,12 +269,43 @@ class Buckets:
         else:
             self.chunk = {dt: sum(self.numels[dt]) for dt, _ in self.buckets}
             self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
+        # Per bucket, meta tensors shaped like what a flat buffer holds, one per parameter in order, for one-call
+        # views of it (torch's unflatten_dense_tensors; a Python loop of views costs ~3 us a parameter): the
+        # padded parameters in the bucket's unsharded buffer, and this rank's gradient shards in the
+        # reduce-scatter output (consecutive: in the flat layout, the parameters' pieces of this rank's slice).
+        meta = torch.device("meta")
+        self.padded_templates = {dt: [torch.empty(self.specs[i].padded_shape, dtype=dt, device=meta) for i in ix]
+                                 for dt, ix in self.buckets}
+        self.shard_templates = {dt: [torch.empty(self.specs[i].local_shape, dtype=dt, device=meta) for i in ix]
+                                for dt, ix in self.buckets}
+        # a 0-dim parameter's gradient is viewed as (1,) for torch._chunk_cat
+        self.scalar = {dt: any(not self.specs[i].shape for i in ix) for dt, ix in self.buckets}
 
-    def new_buffers(self, device) -> list[torch.Tensor]:
-        """The raw unsharded storage: per-parameter padded tensors, or one flat buffer per dtype."""
+    def new_buffers(self, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(bases, padded)``: the raw unsharded storage, one buffer per dtype (freed and refilled whole), and
+        the parameters' padded tensors in it (per-parameter layout: views; flat layout: the buffers themselves)."""
+        bases = [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
         if self.flat:
-            return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
-        return [torch.empty(s.padded_shape, dtype=s.dtype, device=device) for s in self.specs]
+            return bases, bases
+        padded: list[torch.Tensor | None] = [None] * len(self.specs)
+        for (dt, ix), base in zip(self.buckets, bases):
+            for i, t in zip(ix, torch._C._nn.unflatten_dense_tensors(base, self.padded_templates[dt])):
+                padded[i] = t
+        return bases, padded  # type: ignore[return-value]
+
+    def flat_shards(self, shards: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per bucket, the local shards as 1-D views: the copy-in's inputs (a caller gathering the same shards
+        twice makes them once)."""
+        return [[shards[i].reshape(-1) for i in ix] for _, ix in self.buckets]
+
+    def copy_targets(self, padded: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
+        """Per bucket, where the copy-out writes: each padded tensor as ``(world, local numel)`` (every shard on
+        dim 0) or ``(world, *local_shape)`` (``ShardSpec.split_view``); None in the flat layout (no copy-out).
+        Made once per set of buffers: views stay valid when the storage is freed and refilled."""
+        if self.flat:
+            return [None] * len(self.buckets)
+        return [[padded[i].view(self.world, -1) for i in ix] if self.dim0[dt]
+                else [self.specs[i].split_view(padded[i]) for i in ix] for dt, ix in self.buckets]
 
     def views(self, buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The unsharded parameters as views of the raw buffers."""
@@ -283,13 +321,13 @@ class Buckets:
 
 class PendingGather:
     """All-gathers in flight for one group; ``finish(targets)`` waits and copies out into the padded tensors
-    (allocated by the caller only then, so a prefetched group holds just its all-gather buffer). In the flat
-    layout the all-gather output is already the parameters: nothing to copy."""
+    (``Buckets.copy_targets``; allocated by the caller only then, so a prefetched group holds just its
+    all-gather buffer). In the flat layout the all-gather output is already the parameters: nothing to copy."""
 
     def __init__(self, layout: Buckets, outs, works):
         self.layout, self.outs, self.works = layout, outs, works
 
-    def finish(self, targets: Sequence[torch.Tensor] | None) -> None:
+    def finish(self, targets: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
         lay = self.layout
         if lay.flat:
             for work in self.works:
@@ -297,18 +335,16 @@ class PendingGather:
             self.outs = self.works = None
             return
         dsts, srcs = [], []
-        for (dt, ix), out, work in zip(lay.buckets, self.outs, self.works):
+        for (dt, ix), out, work, dst in zip(lay.buckets, self.outs, self.works, targets):
             work.wait()
             if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
                 with torch.no_grad():
-                    torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1,
-                                                out=[targets[i].view(lay.world, -1) for i in ix])
+                    torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1, out=dst)
                 continue
             chunks = out.view(lay.world, -1).split(lay.numels[dt], dim=1)
-            for i, c in zip(ix, chunks):
-                spec = lay.specs[i]
-                dsts.append(spec.split_view(targets[i]))
-                srcs.append(c.view(lay.world, *spec.local_shape))
+            for i, c, d in zip(ix, chunks, dst):
+                dsts.append(d)
+                srcs.append(c.view(lay.world, *lay.specs[i].local_shape))
         if dsts:
             with torch.no_grad():
                 torch._foreach_copy_(dsts, srcs)
@@ -317,18 +353,20 @@ class PendingGather:
 
 
 def start_gather(
-    layout: Buckets, shards: Sequence[torch.Tensor], group, rank: int, outs: Sequence[torch.Tensor] | None = None
+    layout: Buckets, flat_shards: Sequence[Sequence[torch.Tensor]], group, rank: int,
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> PendingGather:
-    """Copy the group's local shards into one flat buffer per dtype (one copy each) and issue the
-    all-gathers (async). ``outs``: the flat layout's (preallocated) unsharded buffers to gather into."""
+    """Copy the group's local shards (``Buckets.flat_shards``) into one flat buffer per dtype (one copy each)
+    and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into."""
     works, bufs = [], []
     with torch.no_grad():
         for k, (dt, ix) in enumerate(layout.buckets):
             n = layout.chunk[dt]
-            out = outs[k] if outs is not None else torch.empty(layout.world * n, dtype=dt, device=shards[ix[0]].device)
+            flat = flat_shards[k]
+            out = outs[k] if outs is not None else torch.empty(layout.world * n, dtype=dt, device=flat[0].device)
             inp = out.narrow(0, rank * n, n)
             valid = sum(layout.numels[dt])
-            torch.cat([shards[i].reshape(-1) for i in ix], out=inp.narrow(0, 0, valid))
+            torch.cat(flat, out=inp.narrow(0, 0, valid) if valid < n else inp)
             if valid < n:
                 inp.narrow(0, valid, n - valid).zero_()
             bufs.append(out)
@@ -342,9 +380,10 @@ def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], gr
         device = next(t.device for t in tangents if t is not None)
         shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
-        targets = layout.new_buffers(device)
-        start_gather(layout, shards, group, rank, outs=targets if layout.flat else None).finish(targets)
-    return layout.views(targets)
+        bases, padded = layout.new_buffers(device)
+        start_gather(layout, layout.flat_shards(shards), group, rank,
+                     outs=bases if layout.flat else None).finish(layout.copy_targets(padded))
+    return layout.views(padded)
 
 
 def _per_param_grad_copies(spec: ShardSpec, dst: torch.Tensor, g: torch.Tensor, dsts: list, srcs: list) -> None:
@@ -382,7 +421,7 @@ class PendingReduce:
         self.layout, self.pending = layout, pending
 
     def finish(self, divide: float) -> list[torch.Tensor]:
-        layout, world = self.layout, self.layout.world
+        layout = self.layout
         result: list[torch.Tensor | None] = [None] * len(layout.specs)
         pending, self.pending = self.pending, []
         with torch.no_grad():
@@ -391,16 +430,9 @@ class PendingReduce:
                 free_buffers([inp])
                 if divide != 1.0:
                     out.div_(divide)
-                if layout.flat:
-                    rank_start = layout.specs[ix[0]].flat.rank * layout.chunk[dt]
-                    for i in ix:
-                        s = layout.specs[i]
-                        start, length = s.flat.piece(s.numel, world, s.flat.rank)
-                        at = s.flat.offset + start - rank_start
-                        result[i] = out[at : at + length]
-                else:
-                    for i, piece in zip(ix, out.split(layout.numels[dt])):
-                        result[i] = piece.view(layout.specs[i].local_shape)
+                # the shards are consecutive in the output (flat layout: the pieces of this rank's slice)
+                for i, piece in zip(ix, torch._C._nn.unflatten_dense_tensors(out, layout.shard_templates[dt])):
+                    result[i] = piece
         return result  # type: ignore[return-value]
 
 
@@ -416,19 +448,24 @@ def start_reduce_scatter(
             if not (dt.is_floating_point or dt.is_complex):
                 continue  # integer parameters have no gradient
             n = layout.chunk[dt]
+            missing = False
             for i in ix:
-                if grads[i] is not None and grads[i].layout is not torch.strided:
+                if grads[i] is None:
+                    missing = True
+                elif grads[i].layout is not torch.strided:
                     grads[i] = grads[i].to_dense()  # e.g. nn.Embedding(sparse=True): shards are dense slices
-            missing = any(grads[i] is None for i in ix)
             # dim-0 shards: torch._chunk_cat writes the padded rank-major layout (padding included) in one op
-            chunk_cat = not layout.flat and not missing and all(
-                layout.specs[i].dim == 0 and grads[i].is_contiguous() and grads[i].numel() for i in ix)
+            chunk_cat = layout.dim0[dt] and not missing and all(grads[i].is_contiguous() and grads[i].numel()
+                                                               for i in ix)
             alloc = torch.zeros if (layout.has_padding[dt] or missing) and not chunk_cat else torch.empty
             inp = alloc(world * n, dtype=dt, device=device)
             dsts, srcs = [], []
             if chunk_cat:
-                torch._chunk_cat([grads[i].view(layout.specs[i].sharded_shape) for i in ix], dim=0,
-                                 num_chunks=world, out=inp.view(world, n))
+                gs = [grads[i] for i in ix]
+                if layout.scalar[dt]:
+                    gs = [g.view(layout.specs[i].sharded_shape) for i, g in zip(ix, gs)]
+                torch._chunk_cat(gs, dim=0, num_chunks=world, out=inp.view(world, n))
+                gs = None
             elif layout.flat:
                 for i in ix:
                     spec, g = layout.specs[i], grads[i]

@@ -49,6 +49,7 @@ from funcshard._collectives import (
     gather_tangents,
     no_functorch,
     raw,
+    raw_grads,
     start_gather,
     start_reduce_scatter,
 )
@@ -65,16 +66,21 @@ class _Status(enum.Enum):
 class _GroupRuntime:
     """One group's buffers and state within a step."""
 
-    __slots__ = ("group", "layout", "shards", "padded", "views", "status", "pending", "slots", "originals",
-                 "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest", "trainable", "uses",
-                 "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked", "views_grad",
-                 "task", "expect", "grads", "got", "grad_shards", "ran", "node")
+    __slots__ = ("group", "layout", "shards", "flat_shards", "bases", "padded", "copy_to", "views", "status",
+                 "pending", "slots", "originals", "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest",
+                 "trainable", "uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked",
+                 "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran", "node")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
         self.layout = layout
         self.shards = [raw(state[p]) for p in group.params]
+        self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
+        # The unsharded parameters: one buffer per dtype (freed and refilled whole), the padded parameters in it,
+        # and the copy-out's views of those (Buckets.copy_targets, made once per set of buffers).
+        self.bases: list[torch.Tensor] | None = None
         self.padded: list[torch.Tensor] | None = None
+        self.copy_to: tuple | None = None  # (padded, targets)
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
         self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
         # The _GroupGather node that made the views (weakly), when the views carry autograd history. The step
@@ -158,27 +164,35 @@ class Step:
         if gr.status is not _Status.SHARDED:
             return
         if not gr.shards:  # e.g. a root group when every parameter is in a child group
-            gr.padded, gr.views, gr.status = [], (), _Status.GATHERED
+            gr.bases, gr.padded, gr.views, gr.status = [], [], (), _Status.GATHERED
             return
+        if gr.flat_shards is None:
+            gr.flat_shards = gr.layout.flat_shards(gr.shards)
         with no_functorch(), torch.no_grad():
             if gr.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self._allocate(gr)
                 # Autograd may have saved views of these buffers: hide the refill from its version check.
                 # The collective may bump the version from its own thread until waited, so the versions are
                 # restored after the wait, in wait().
-                gr.versions = _preserve_versions(gr.padded)
-                gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank, outs=gr.padded)
+                gr.versions = _preserve_versions(gr.bases)
+                gr.pending = start_gather(gr.layout, gr.flat_shards, self.pg, self.rank, outs=gr.bases)
             else:
-                gr.pending = start_gather(gr.layout, gr.shards, self.pg, self.rank)
+                gr.pending = start_gather(gr.layout, gr.flat_shards, self.pg, self.rank)
         gr.status = _Status.GATHERING
 
     @staticmethod
     def _allocate(gr: _GroupRuntime) -> None:
         if gr.padded is None:
-            gr.padded = gr.layout.new_buffers(gr.shards[0].device)
+            gr.bases, gr.padded = gr.layout.new_buffers(gr.shards[0].device)
         else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
-            for t in gr.padded:
+            for t in gr.bases:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
+
+    @staticmethod
+    def _copy_targets(gr: _GroupRuntime) -> list:
+        if gr.copy_to is None or gr.copy_to[0] is not gr.padded:
+            gr.copy_to = (gr.padded, gr.layout.copy_targets(gr.padded))
+        return gr.copy_to[1]
 
     def wait(self, name: str) -> None:
         gr = self.groups[name]
@@ -190,10 +204,10 @@ class Step:
                 if not gr.layout.flat:
                     self._allocate(gr)
                 if fresh:
-                    gr.pending.finish(gr.padded)
+                    gr.pending.finish(self._copy_targets(gr))
                 else:  # refilling tensors autograd saved for backward: their version must not change
-                    with _preserve_versions(gr.padded):
-                        gr.pending.finish(gr.padded)
+                    with _preserve_versions(gr.bases):  # (views share their base's version counter)
+                        gr.pending.finish(self._copy_targets(gr))
                 if gr.versions is not None:
                     gr.versions.__exit__(None, None, None)
                     gr.versions = None
@@ -209,7 +223,7 @@ class Step:
         if gr.status is _Status.GATHERING:  # never free memory a collective still writes to
             self.wait(name)
         with no_functorch():
-            free_buffers(gr.padded)
+            free_buffers(gr.bases)
         gr.status = _Status.SHARDED
 
     def prefetch(self, name: str, *, backward: bool) -> None:
@@ -414,9 +428,9 @@ class Step:
             if not gr.shards:
                 continue
             with no_functorch(), torch.no_grad():
-                gr.padded = gr.layout.new_buffers(gr.shards[0].device)
+                gr.bases, gr.padded = gr.layout.new_buffers(gr.shards[0].device)
                 views = gr.layout.views(gr.padded)
-                free_buffers(gr.padded)
+                free_buffers(gr.bases)
             outs.extend(views)
         return outs
 
@@ -505,7 +519,7 @@ class Step:
         flight (it ran during this group's backward) is taken first, so its buffers are gone before this one's
         are allocated: only one reduce-scatter's buffers live at a time."""
         gr = self.groups[name]
-        grads[:] = [None if g is None else raw(g) for g in grads]  # in place (no loop variable left holding one)
+        raw_grads(grads)
         self._grads_done(name)
         self.finish_reduce_scatter()
         with no_functorch():

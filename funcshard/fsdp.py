@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._collectives import raw
+from funcshard._collectives import raw_grads
 from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
@@ -320,7 +320,8 @@ def _adopt(new: Step, old: Step, name: str) -> None:
     old.wait(name)
     swapped = o.swapped
     old.swap_out(name)
-    n.padded, n.status, o.padded, o.status, o.views = o.padded, _Status.GATHERED, None, _Status.SHARDED, None
+    n.bases, n.padded, n.copy_to, n.status = o.bases, o.padded, o.copy_to, _Status.GATHERED
+    o.bases, o.padded, o.copy_to, o.status, o.views = None, None, None, _Status.SHARDED, None
     if swapped:
         _register_unsharded(new, name)
 
@@ -361,8 +362,7 @@ class _Step(Step):
     def post_backward(self, name: str, grads) -> list[None]:
         unit, gr = self.ctx.by_group[name], self.groups[name]
         paths = gr.group.params
-        # in place: the reduce-scatter consumes the list (frees the gradients); no loop variable holds one
-        grads[:] = [None if g is None else raw(g) for g in grads]
+        raw_grads(grads)  # in place: the reduce-scatter consumes the list (frees the gradients)
         if not unit.sync:  # accumulate unsharded; the next synced backward reduce-scatters the sum
             with torch.no_grad():
                 for p, g in zip(paths, grads):
