@@ -269,53 +269,91 @@ class Buckets:
         else:
             self.chunk = {dt: sum(self.numels[dt]) for dt, _ in self.buckets}
             self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
-        # Per bucket, meta tensors shaped like what a flat buffer holds, one per parameter in order, for one-call
-        # views of it (torch's unflatten_dense_tensors; a Python loop of views costs ~3 us a parameter): the
-        # padded parameters in the bucket's unsharded buffer, and this rank's gradient shards in the
-        # reduce-scatter output (consecutive: in the flat layout, the parameters' pieces of this rank's slice).
+        # One-call views of a flat buffer (torch's unflatten_dense_tensors, given meta tensors of the shapes it
+        # holds one after the other; a Python loop of views costs ~3 us a parameter), per bucket:
         meta = torch.device("meta")
-        self.padded_templates = {dt: [torch.empty(self.specs[i].padded_shape, dtype=dt, device=meta) for i in ix]
+
+        def templates(shapes, dt):
+            return [torch.empty(shape, dtype=dt, device=meta) for shape in shapes]
+
+        # this rank's gradient shards, consecutive in the reduce-scatter output (flat layout: the parameters'
+        # pieces of this rank's slice)
+        self.shard_templates = {dt: templates([self.specs[i].local_shape for i in ix], dt) for dt, ix in self.buckets}
+        # the padded parameters, consecutive in the unsharded buffer, and each as (world, local numel)
+        self.padded_templates = {dt: templates([self.specs[i].padded_shape for i in ix], dt)
                                  for dt, ix in self.buckets}
-        self.shard_templates = {dt: [torch.empty(self.specs[i].local_shape, dtype=dt, device=meta) for i in ix]
-                                for dt, ix in self.buckets}
+        self.rank_major = {dt: templates([(self.world, self.specs[i].local_numel) for i in ix], dt)
+                           for dt, ix in self.buckets}
+        # the parameters themselves where each is a prefix of its padded tensor (unpadded, or padded on dim 0):
+        # (templates with a filler for each padding, which of the views are parameters); None: not all are
+        self.param_templates: dict = {}
+        for dt, ix in self.buckets:
+            shapes, pick = [], []
+            for i in ix:
+                spec = self.specs[i]
+                if spec.padding and spec.dim != 0:
+                    shapes = None
+                    break
+                pick.append(len(shapes))
+                shapes.append(spec.shape)
+                gap = math.prod(spec.padded_shape) - spec.numel
+                if gap:
+                    shapes.append((gap,))
+            self.param_templates[dt] = None if shapes is None else (templates(shapes, dt), pick)
         # a 0-dim parameter's gradient is viewed as (1,) for torch._chunk_cat
         self.scalar = {dt: any(not self.specs[i].shape for i in ix) for dt, ix in self.buckets}
 
-    def new_buffers(self, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(bases, padded)``: the raw unsharded storage, one buffer per dtype (freed and refilled whole), and
-        the parameters' padded tensors in it (per-parameter layout: views; flat layout: the buffers themselves)."""
-        bases = [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
-        if self.flat:
-            return bases, bases
-        padded: list[torch.Tensor | None] = [None] * len(self.specs)
+    def new_buffers(self, device) -> list[torch.Tensor]:
+        """The raw unsharded storage: one buffer per dtype (freed and refilled whole). Per-parameter layout: the
+        parameters' padded tensors one after the other (``padded``); flat layout: the group's flat buffer."""
+        return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
+
+    def padded(self, bases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The per-parameter layout's padded parameters, as views of the buffers."""
+        out: list[torch.Tensor | None] = [None] * len(self.specs)
         for (dt, ix), base in zip(self.buckets, bases):
             for i, t in zip(ix, torch._C._nn.unflatten_dense_tensors(base, self.padded_templates[dt])):
-                padded[i] = t
-        return bases, padded  # type: ignore[return-value]
+                out[i] = t
+        return out  # type: ignore[return-value]
 
     def flat_shards(self, shards: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per bucket, the local shards as 1-D views: the copy-in's inputs (a caller gathering the same shards
         twice makes them once)."""
         return [[shards[i].reshape(-1) for i in ix] for _, ix in self.buckets]
 
-    def copy_targets(self, padded: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
-        """Per bucket, where the copy-out writes: each padded tensor as ``(world, local numel)`` (every shard on
-        dim 0) or ``(world, *local_shape)`` (``ShardSpec.split_view``); None in the flat layout (no copy-out).
-        Made once per set of buffers: views stay valid when the storage is freed and refilled."""
+    def copy_targets(self, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
+        """Per bucket, where the copy-out writes: each padded parameter as ``(world, local numel)`` (every shard
+        on dim 0) or ``(world, *local_shape)`` (``ShardSpec.split_view``); None in the flat layout (no
+        copy-out). Made once per set of buffers: views stay valid when the storage is freed and refilled."""
         if self.flat:
             return [None] * len(self.buckets)
-        return [[padded[i].view(self.world, -1) for i in ix] if self.dim0[dt]
-                else [self.specs[i].split_view(padded[i]) for i in ix] for dt, ix in self.buckets]
+        padded = None
+        out = []
+        for (dt, ix), base in zip(self.buckets, bases):
+            if self.dim0[dt]:
+                out.append(torch._C._nn.unflatten_dense_tensors(base, self.rank_major[dt]))
+            else:
+                padded = padded or self.padded(bases)
+                out.append([self.specs[i].split_view(padded[i]) for i in ix])
+        return out
 
-    def views(self, buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The unsharded parameters as views of the raw buffers."""
-        if not self.flat:
-            return tuple(s.unpad(t) for s, t in zip(self.specs, buffers))
+    def views(self, bases: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameters as views of the buffers."""
         out: list[torch.Tensor | None] = [None] * len(self.specs)
-        for (dt, ix), buf in zip(self.buckets, buffers):
-            for i in ix:
-                s = self.specs[i]
-                out[i] = buf[s.flat.offset : s.flat.offset + s.numel].view(s.shape)
+        padded = None
+        for (dt, ix), buf in zip(self.buckets, bases):
+            if self.flat:
+                for i in ix:
+                    s = self.specs[i]
+                    out[i] = buf[s.flat.offset : s.flat.offset + s.numel].view(s.shape)
+            elif (fast := self.param_templates[dt]) is not None:
+                views = torch._C._nn.unflatten_dense_tensors(buf, fast[0])
+                for i, k in zip(ix, fast[1]):
+                    out[i] = views[k]
+            else:
+                padded = padded or self.padded(bases)
+                for i in ix:
+                    out[i] = self.specs[i].unpad(padded[i])
         return tuple(out)  # type: ignore[arg-type]
 
 
@@ -380,10 +418,10 @@ def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], gr
         device = next(t.device for t in tangents if t is not None)
         shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
-        bases, padded = layout.new_buffers(device)
+        bases = layout.new_buffers(device)
         start_gather(layout, layout.flat_shards(shards), group, rank,
-                     outs=bases if layout.flat else None).finish(layout.copy_targets(padded))
-    return layout.views(padded)
+                     outs=bases if layout.flat else None).finish(layout.copy_targets(bases))
+    return layout.views(bases)
 
 
 def _per_param_grad_copies(spec: ShardSpec, dst: torch.Tensor, g: torch.Tensor, dsts: list, srcs: list) -> None:

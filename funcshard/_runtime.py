@@ -66,7 +66,7 @@ class _Status(enum.Enum):
 class _GroupRuntime:
     """One group's buffers and state within a step."""
 
-    __slots__ = ("group", "layout", "shards", "flat_shards", "bases", "padded", "copy_to", "views", "status",
+    __slots__ = ("group", "layout", "shards", "flat_shards", "bases", "copy_to", "views", "status",
                  "pending", "slots", "originals", "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest",
                  "trainable", "uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked",
                  "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran", "node")
@@ -76,11 +76,10 @@ class _GroupRuntime:
         self.layout = layout
         self.shards = [raw(state[p]) for p in group.params]
         self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
-        # The unsharded parameters: one buffer per dtype (freed and refilled whole), the padded parameters in it,
-        # and the copy-out's views of those (Buckets.copy_targets, made once per set of buffers).
+        # The unsharded parameters: one buffer per dtype (freed and refilled whole; Buckets.new_buffers), and the
+        # copy-out's views of them (Buckets.copy_targets, made once per set of buffers).
         self.bases: list[torch.Tensor] | None = None
-        self.padded: list[torch.Tensor] | None = None
-        self.copy_to: tuple | None = None  # (padded, targets)
+        self.copy_to: tuple | None = None  # (bases, targets)
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
         self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
         # The _GroupGather node that made the views (weakly), when the views carry autograd history. The step
@@ -164,7 +163,7 @@ class Step:
         if gr.status is not _Status.SHARDED:
             return
         if not gr.shards:  # e.g. a root group when every parameter is in a child group
-            gr.bases, gr.padded, gr.views, gr.status = [], [], (), _Status.GATHERED
+            gr.bases, gr.views, gr.status = [], (), _Status.GATHERED
             return
         if gr.flat_shards is None:
             gr.flat_shards = gr.layout.flat_shards(gr.shards)
@@ -182,16 +181,16 @@ class Step:
 
     @staticmethod
     def _allocate(gr: _GroupRuntime) -> None:
-        if gr.padded is None:
-            gr.bases, gr.padded = gr.layout.new_buffers(gr.shards[0].device)
+        if gr.bases is None:
+            gr.bases = gr.layout.new_buffers(gr.shards[0].device)
         else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
             for t in gr.bases:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
 
     @staticmethod
     def _copy_targets(gr: _GroupRuntime) -> list:
-        if gr.copy_to is None or gr.copy_to[0] is not gr.padded:
-            gr.copy_to = (gr.padded, gr.layout.copy_targets(gr.padded))
+        if gr.copy_to is None or gr.copy_to[0] is not gr.bases:
+            gr.copy_to = (gr.bases, gr.layout.copy_targets(gr.bases))
         return gr.copy_to[1]
 
     def wait(self, name: str) -> None:
@@ -200,7 +199,7 @@ class Step:
             self.unshard(name)
         if gr.status is _Status.GATHERING:
             with no_functorch(), torch.no_grad():
-                fresh = gr.padded is None  # new buffers: nothing can have saved them yet
+                fresh = gr.bases is None  # new buffers: nothing can have saved them yet
                 if not gr.layout.flat:
                     self._allocate(gr)
                 if fresh:
@@ -428,8 +427,8 @@ class Step:
             if not gr.shards:
                 continue
             with no_functorch(), torch.no_grad():
-                gr.bases, gr.padded = gr.layout.new_buffers(gr.shards[0].device)
-                views = gr.layout.views(gr.padded)
+                gr.bases = gr.layout.new_buffers(gr.shards[0].device)
+                views = gr.layout.views(gr.bases)
                 free_buffers(gr.bases)
             outs.extend(views)
         return outs
@@ -958,7 +957,7 @@ class _GroupGather(torch.autograd.Function):
     def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):
         gr = step.groups[name]
         step.wait(name)
-        return gr.layout.views(gr.padded)
+        return gr.layout.views(gr.bases)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -320,8 +320,8 @@ def _adopt(new: Step, old: Step, name: str) -> None:
     old.wait(name)
     swapped = o.swapped
     old.swap_out(name)
-    n.bases, n.padded, n.copy_to, n.status = o.bases, o.padded, o.copy_to, _Status.GATHERED
-    o.bases, o.padded, o.copy_to, o.status, o.views = None, None, None, _Status.SHARDED, None
+    n.bases, n.copy_to, n.status = o.bases, o.copy_to, _Status.GATHERED
+    o.bases, o.copy_to, o.status, o.views = None, None, _Status.SHARDED, None
     if swapped:
         _register_unsharded(new, name)
 
@@ -330,7 +330,7 @@ def _register_unsharded(step: Step, name: str) -> None:
     """Put the gathered (unpadded) parameters on the modules, outside autograd, as ``unshard()`` does."""
     gr = step.groups[name]
     with torch.no_grad():
-        gr.views, gr.node = tuple(s.unpad(t) for s, t in zip(gr.layout.specs, gr.padded)), None
+        gr.views, gr.node = gr.layout.views(gr.bases), None
     step.swap_in(name)
 
 
