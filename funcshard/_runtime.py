@@ -334,8 +334,12 @@ class Step:
             if self.relaying and gr.trainable and torch.is_grad_enabled():  # (a no-grad use needs no relay)
                 token = self._relay(name)
                 self._relay(self._next_trainable(name))  # made now: autograd runs it after this group's backward
-            with _saving_views():
-                gr.views = _EAGER[_GroupGather].apply(self, name, token, *[state[p] for p in gr.group.params])
+            shards = [state[p] for p in gr.group.params]
+            if _top_saved_hooks is not None and _top_saved_hooks(False) is None:  # autograd saves them plainly
+                gr.views = _EAGER[_GroupGather].apply(self, name, token, *shards)
+            else:
+                with _saving_views():
+                    gr.views = _EAGER[_GroupGather].apply(self, name, token, *shards)
             node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
             if node is not None:
                 gr.node = weakref.ref(node)
@@ -1009,6 +1013,11 @@ def _pack_view(t: torch.Tensor) -> torch.Tensor:
 
 def _unpack_view(t: torch.Tensor) -> torch.Tensor:
     return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
+
+
+# The innermost saved-tensor hooks in effect (None: none; then a Function's outputs are saved as they are,
+# without a reference to their node, and no _saving_views is needed).
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 @contextlib.contextmanager
