@@ -382,18 +382,23 @@ class _Step(Step):
 
     def _reduced(self, name: str, out: list, had: list[bool]) -> None:
         """Accumulate a group's reduce-scattered shards into its parameters' DTensor ``.grad``."""
-        unit = self.ctx.by_group[name]
+        reduce_unused, recs = self.ctx.by_group[name].reduce_unused, self.ctx.recs
         with torch.no_grad():
             for p, g, o in zip(self.groups[name].group.params, had, out):
-                r = self.ctx.recs[p]
-                if o is None or not r.param.requires_grad or (not g and not unit.reduce_unused):
+                r = recs[p]
+                param = r.param
+                if o is None or not param.requires_grad or (not g and not reduce_unused):
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
-                if r.param.grad is None:
-                    r.param.grad = r.grad_dtensor(r.local(o))
-                else:
-                    r.param.grad.to_local().add_(r.local(o))
-                for hook in (getattr(r.param, "_post_accumulate_grad_hooks", None) or {}).values():
-                    hook(r.param)
+                if r.valid != r.spec.chunk:  # (r.local: the unpadded part)
+                    o = o.narrow(r.spec.dim, 0, r.valid)
+                grad = param.grad
+                if grad is None:
+                    param.grad = r.grad_dtensor(o)
+                else:  # (its local tensor: DTensor.to_local runs an autograd Function)
+                    grad._local_tensor.add_(o)
+                if param._post_accumulate_grad_hooks:
+                    for hook in param._post_accumulate_grad_hooks.values():
+                        hook(param)
 
     def _release_frozen(self, name: str) -> None:
         if self.ctx.by_group[name].reshard_after_backward:

@@ -134,6 +134,19 @@ def _accumulate(fs, mesh, keep_unsharded=False):
     return _fit(model, micro=3, each=each)
 
 
+def _post_accumulate_hooks(fs, mesh):
+    """Post-accumulate-grad hooks on the sharded parameters (optimizer-in-backward style) run once per parameter
+    and reduce-scatter, with the accumulated gradient on ``.grad`` (two microbatches into zeroed gradients)."""
+    torch.manual_seed(19)
+    model = _nested(fs, MLP(layers=2), mesh)
+    seen = {}
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, n=n: seen.setdefault(n, []).append(_local(p.grad).double().sum().item()))
+    numbers, snap = _fit(model, micro=2, set_to_none=False)
+    return numbers + [len(seen)] + [v for n in sorted(seen) for v in seen[n]], snap
+
+
 def _accumulate_synced(fs, mesh):
     """Every microbatch reduce-scatters; gradients add up on existing (zeroed, not None) DTensor grads."""
     torch.manual_seed(18)
@@ -353,6 +366,7 @@ SCENARIOS = {
     "grad_accumulation_no_sync": _accumulate,
     "grad_accumulation_keep_unsharded": lambda fs, mesh: _accumulate(fs, mesh, keep_unsharded=True),
     "grad_accumulation_synced": _accumulate_synced,
+    "post_accumulate_grad_hooks": _post_accumulate_hooks,
     "clip_grad_norm": _clip,
     "frozen_params": _frozen,
     "ignored_params": _ignored,
@@ -405,7 +419,7 @@ def test_nested_wrapping_and_reshard_after_forward(world):
 
 def test_gradient_accumulation_and_clipping():
     _check(2, ["grad_accumulation_no_sync", "grad_accumulation_keep_unsharded", "grad_accumulation_synced",
-               "clip_grad_norm", "gradient_divide_factor"])
+               "post_accumulate_grad_hooks", "clip_grad_norm", "gradient_divide_factor"])
 
 
 def test_frozen_ignored_unused_buffers():
