@@ -13,6 +13,7 @@ gloo, the collective runs on gloo's threads while Python continues, and ``wait()
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -50,6 +51,12 @@ def raw_grads(grads: list) -> None:
     history (the usual case) is kept as it is. In place, so that no loop variable is left holding one."""
     grads[:] = [g if g is None or not (g.requires_grad or is_functorch_wrapped_tensor(g)) else raw(g)
                 for g in grads]
+
+
+def no_grad():
+    """``torch.no_grad()``, or nothing where grad is already off (most calls on the hot path: the runtime turned
+    it off; ``torch.no_grad()`` costs ~2.5 us a use, ~7 uses a group a step)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
 def no_functorch():
@@ -376,7 +383,7 @@ class PendingGather:
         for (dt, ix), out, work, dst in zip(lay.buckets, self.outs, self.works, targets):
             work.wait()
             if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
-                with torch.no_grad():
+                with no_grad():
                     torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1, out=dst)
                 continue
             chunks = out.view(lay.world, -1).split(lay.numels[dt], dim=1)
@@ -384,7 +391,7 @@ class PendingGather:
                 dsts.append(d)
                 srcs.append(c.view(lay.world, *lay.specs[i].local_shape))
         if dsts:
-            with torch.no_grad():
+            with no_grad():
                 torch._foreach_copy_(dsts, srcs)
         free_buffers(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
@@ -397,7 +404,7 @@ def start_gather(
     """Copy the group's local shards (``Buckets.flat_shards``) into one flat buffer per dtype (one copy each)
     and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into."""
     works, bufs = [], []
-    with torch.no_grad():
+    with no_grad():
         for k, (dt, ix) in enumerate(layout.buckets):
             n = layout.chunk[dt]
             flat = flat_shards[k]
@@ -414,7 +421,7 @@ def start_gather(
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
     """All-gather a group's shard tangents (or shards) into new full tensors: the forward-mode rule."""
-    with no_functorch(), torch.no_grad():
+    with no_functorch(), no_grad():
         device = next(t.device for t in tangents if t is not None)
         shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
@@ -462,7 +469,7 @@ class PendingReduce:
         layout = self.layout
         result: list[torch.Tensor | None] = [None] * len(layout.specs)
         pending, self.pending = self.pending, []
-        with torch.no_grad():
+        with no_grad():
             for dt, ix, inp, out, work in pending:
                 work.wait()
                 free_buffers([inp])
@@ -481,7 +488,7 @@ def start_reduce_scatter(
     (async); consumes ``grads`` (see ``reduce_scatter_grads``)."""
     pending = []
     world = layout.world
-    with torch.no_grad():
+    with no_grad():
         for dt, ix in layout.buckets:
             if not (dt.is_floating_point or dt.is_complex):
                 continue  # integer parameters have no gradient

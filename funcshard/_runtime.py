@@ -48,6 +48,7 @@ from funcshard._collectives import (
     free_buffers,
     gather_tangents,
     no_functorch,
+    no_grad,
     raw,
     raw_grads,
     start_gather,
@@ -167,7 +168,7 @@ class Step:
             return
         if gr.flat_shards is None:
             gr.flat_shards = gr.layout.flat_shards(gr.shards)
-        with no_functorch(), torch.no_grad():
+        with no_functorch(), no_grad():
             if gr.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self._allocate(gr)
                 # Autograd may have saved views of these buffers: hide the refill from its version check.
@@ -198,7 +199,7 @@ class Step:
         if gr.status is _Status.SHARDED:
             self.unshard(name)
         if gr.status is _Status.GATHERING:
-            with no_functorch(), torch.no_grad():
+            with no_functorch(), no_grad():
                 fresh = gr.bases is None  # new buffers: nothing can have saved them yet
                 if not gr.layout.flat:
                     self._allocate(gr)
@@ -430,7 +431,7 @@ class Step:
         for gr in self.groups.values():
             if not gr.shards:
                 continue
-            with no_functorch(), torch.no_grad():
+            with no_functorch(), no_grad():
                 gr.bases = gr.layout.new_buffers(gr.shards[0].device)
                 views = gr.layout.views(gr.bases)
                 free_buffers(gr.bases)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._collectives import raw_grads
+from funcshard._collectives import no_grad, raw_grads
 from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
@@ -383,7 +383,7 @@ class _Step(Step):
     def _reduced(self, name: str, out: list, had: list[bool]) -> None:
         """Accumulate a group's reduce-scattered shards into its parameters' DTensor ``.grad``."""
         reduce_unused, recs = self.ctx.by_group[name].reduce_unused, self.ctx.recs
-        with torch.no_grad():
+        with no_grad():
             for p, g, o in zip(self.groups[name].group.params, had, out):
                 r = recs[p]
                 param = r.param
