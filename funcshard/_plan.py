@@ -97,6 +97,13 @@ class Plan:
 
     def prefetch_after(self, name: str, *, backward: bool = False) -> tuple[str, ...]:
         """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward)."""
+        cache = self.__dict__.setdefault("_funcshard_prefetch_after", {})  # (immutable: edits make new plans)
+        hit = cache.get((name, backward))
+        if hit is None:
+            hit = cache[(name, backward)] = self._prefetch_after(name, backward)
+        return hit
+
+    def _prefetch_after(self, name: str, backward: bool) -> tuple[str, ...]:
         lists = self.backward_prefetch_lists if backward else self.forward_prefetch_lists
         if name in lists:
             return tuple(lists[name])
