@@ -335,12 +335,12 @@ class Step:
             if self.relaying and gr.trainable and torch.is_grad_enabled():  # (a no-grad use needs no relay)
                 token = self._relay(name)
                 self._relay(self._next_trainable(name))  # made now: autograd runs it after this group's backward
-            shards = [state[p] for p in gr.group.params]
+            shards = map(_unwrap_if_dead, [state[p] for p in gr.group.params])
             if _top_saved_hooks is not None and _top_saved_hooks(False) is None:  # autograd saves them plainly
-                gr.views = _EAGER[_GroupGather].apply(self, name, token, *shards)
+                gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
             else:
                 with _saving_views():
-                    gr.views = _EAGER[_GroupGather].apply(self, name, token, *shards)
+                    gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
             node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
             if node is not None:
                 gr.node = weakref.ref(node)
@@ -468,7 +468,10 @@ class Step:
         before any backward op of the group."""
         if not torch.is_grad_enabled():
             return output
-        tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if isinstance(output, torch.Tensor):  # (the usual case, without a pytree walk)
+            tensors = [output] if output.requires_grad else []
+        else:
+            tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
         if len(tensors) == 1:
             tensors[0].register_hook(self._pre_backward_hooks[name])
         elif tensors and _single_grad_level():
@@ -555,7 +558,8 @@ class Step:
         if token is None:
             params = self.groups[name].group.params
             index = tuple(i for i, p in enumerate(params) if self.state[p].requires_grad)  # (fixed now)
-            token = self.relays[name] = _Relay.apply(self, name, index, *[self.state[params[i]] for i in index])
+            token = self.relays[name] = _apply(_Relay, self, name, index,
+                                               *map(_unwrap_if_dead, [self.state[params[i]] for i in index]))
             if self.token_zero is None:
                 self.token_zero = torch.zeros((), device=token.device)
         return token
@@ -1005,7 +1009,16 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
                 {"forward": staticmethod(forward), "backward": staticmethod(fn.backward)})
 
 
-_EAGER = {fn: _old_style(fn) for fn in (_GroupGather,)}
+_GroupGatherEager = _old_style(_GroupGather)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` outside torch.func transforms, for Functions without ``setup_context``: what
+    ``Function.apply`` does there (the C++ apply; tensors left by an exited transform unwrapped by the caller:
+    ``_unwrap_if_dead``), without its per-call Python (~5 us)."""
+    return _FUNCTION_APPLY.__get__(None, fn)(*args)
 
 
 def _pack_view(t: torch.Tensor) -> torch.Tensor:
