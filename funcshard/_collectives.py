@@ -39,11 +39,16 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
     return getattr(dist, _RS_NAME)(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under any functorch wrappers, detached (shares storage)."""
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under any functorch wrappers (itself if none)."""
     while is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)
-    return t.detach()
+    return t
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under any functorch wrappers, detached (shares storage)."""
+    return unwrapped(t).detach()
 
 
 def raw_grads(grads: list) -> None:
@@ -325,7 +330,7 @@ class Buckets:
 
     def flat_shards(self, shards: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per bucket, the local shards as 1-D views: the copy-in's inputs (a caller gathering the same shards
-        twice makes them once)."""
+        twice makes them once). Plain tensors (``unwrapped``), under no_grad: the views have no history."""
         return [[shards[i].reshape(-1) for i in ix] for _, ix in self.buckets]
 
     def copy_targets(self, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:

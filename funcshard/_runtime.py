@@ -49,9 +49,9 @@ from funcshard._collectives import (
     gather_tangents,
     no_functorch,
     no_grad,
-    raw,
     raw_grads,
     start_gather,
+    unwrapped,
     start_reduce_scatter,
 )
 from funcshard._plan import ROOT, Group, Plan
@@ -75,7 +75,8 @@ class _GroupRuntime:
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
         self.layout = layout
-        self.shards = [raw(state[p]) for p in group.params]
+        self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
+        grad = [t.requires_grad for t in self.shards]
         self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
         # The unsharded parameters: one buffer per dtype (freed and refilled whole; Buckets.new_buffers), and the
         # copy-out's views of them (Buckets.copy_targets, made once per set of buffers).
@@ -98,8 +99,8 @@ class _GroupRuntime:
         self.rest: list | None = None
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after
         # the group's reduce-scatter, so it is freed only once its inputs' gradients are complete too.
-        self.frozen = not all(state[p].requires_grad for p in group.params)
-        self.trainable = any(state[p].requires_grad for p in group.params)
+        self.frozen = not all(grad)
+        self.trainable = any(grad)
         # A frozen group is freed in backward once every use's input gradients are done (inputs_left: watched
         # uses still to go; unwatched: a use whose inputs could not be watched, so only the end of backward)
         # and its post-backward ran for every gather that made autograd history (nodes_left).
@@ -166,9 +167,9 @@ class Step:
         if not gr.shards:  # e.g. a root group when every parameter is in a child group
             gr.bases, gr.views, gr.status = [], (), _Status.GATHERED
             return
-        if gr.flat_shards is None:
-            gr.flat_shards = gr.layout.flat_shards(gr.shards)
         with no_functorch(), no_grad():
+            if gr.flat_shards is None:
+                gr.flat_shards = gr.layout.flat_shards(list(map(unwrapped, gr.shards)))
             if gr.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self._allocate(gr)
                 # Autograd may have saved views of these buffers: hide the refill from its version check.

@@ -30,6 +30,20 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
         raise ShardingError(
             f"{what} must be a dict of local shards (what funcshard.shard returns), got {type(state).__name__}"
         )
+    # The fast path (every call of apply): one pass comparing each shard with the plan's expectation.
+    expect = plan.__dict__.get("_funcshard_expect")
+    if expect is None:
+        expect = plan.__dict__["_funcshard_expect"] = {k: (torch.Size(s.local_shape), s.dtype)
+                                                       for k, s in plan.specs.items()}
+    if len(state) == len(expect):
+        device_type, tensor = plan.mesh.device_type, torch.Tensor
+        for k, v in state.items():
+            e = expect.get(k)
+            if (e is None or not isinstance(v, tensor) or v.shape != e[0] or v.dtype is not e[1]
+                    or v.device.type != device_type):
+                break
+        else:
+            return
     problems = []
     specs = plan.specs
     for k, v in state.items():
