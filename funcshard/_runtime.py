@@ -51,8 +51,8 @@ from funcshard._collectives import (
     no_grad,
     raw_grads,
     start_gather,
-    unwrapped,
     start_reduce_scatter,
+    unwrapped,
 )
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._spec import ShardingError
@@ -337,7 +337,7 @@ class Step:
                 token = self._relay(name)
                 self._relay(self._next_trainable(name))  # made now: autograd runs it after this group's backward
             shards = map(_unwrap_if_dead, [state[p] for p in gr.group.params])
-            if _top_saved_hooks is not None and _top_saved_hooks(False) is None:  # autograd saves them plainly
+            if _no_saved_hooks():  # autograd saves the outputs plainly
                 gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
             else:
                 with _saving_views():
@@ -1012,13 +1012,15 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 
 _GroupGatherEager = _old_style(_GroupGather)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` outside torch.func transforms, for Functions without ``setup_context``: what
     ``Function.apply`` does there (the C++ apply; tensors left by an exited transform unwrapped by the caller:
     ``_unwrap_if_dead``), without its per-call Python (~5 us)."""
+    if _FUNCTION_APPLY is None:  # (a torch without it: the Python path)
+        return fn.apply(*args)
     return _FUNCTION_APPLY.__get__(None, fn)(*args)
 
 
@@ -1030,9 +1032,18 @@ def _unpack_view(t: torch.Tensor) -> torch.Tensor:
     return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
 
 
-# The innermost saved-tensor hooks in effect (None: none; then a Function's outputs are saved as they are,
-# without a reference to their node, and no _saving_views is needed).
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _no_saved_hooks() -> bool:
+    """No saved-tensor hooks are in effect: then a Function's outputs are saved as they are, without a reference
+    to their node, and no _saving_views is needed. (False when that cannot be told.)"""
+    if _top_saved_hooks is None:
+        return False
+    try:
+        return _top_saved_hooks(False) is None
+    except (RuntimeError, TypeError):
+        return False
 
 
 @contextlib.contextmanager
