@@ -254,12 +254,11 @@ class Step:
         gr = self.groups[name]
         if gr.swapped or (gr.views is None and self._saved_views(gr) is None):
             return
-        originals = []
-        for mod, attr, i in gr.slots:
-            originals.append(mod._parameters[attr])
-            mod._parameters[attr] = gr.views[i]
         if gr.originals is None:
-            gr.originals = originals
+            gr.originals = [mod._parameters[attr] for mod, attr, _ in gr.slots]
+        views = gr.views
+        for mod, attr, i in gr.slots:
+            mod._parameters[attr] = views[i]
         gr.swapped = True
 
     @staticmethod
