@@ -281,91 +281,48 @@ class Buckets:
         else:
             self.chunk = {dt: sum(self.numels[dt]) for dt, _ in self.buckets}
             self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
-        # One-call views of a flat buffer (torch's unflatten_dense_tensors, given meta tensors of the shapes it
-        # holds one after the other; a Python loop of views costs ~3 us a parameter), per bucket:
-        meta = torch.device("meta")
-
-        def templates(shapes, dt):
-            return [torch.empty(shape, dtype=dt, device=meta) for shape in shapes]
-
         # this rank's gradient shards, consecutive in the reduce-scatter output (flat layout: the parameters'
-        # pieces of this rank's slice)
-        self.shard_templates = {dt: templates([self.specs[i].local_shape for i in ix], dt) for dt, ix in self.buckets}
-        # the padded parameters, consecutive in the unsharded buffer, and each as (world, local numel)
-        self.padded_templates = {dt: templates([self.specs[i].padded_shape for i in ix], dt)
-                                 for dt, ix in self.buckets}
-        self.rank_major = {dt: templates([(self.world, self.specs[i].local_numel) for i in ix], dt)
-                           for dt, ix in self.buckets}
-        # the parameters themselves where each is a prefix of its padded tensor (unpadded, or padded on dim 0):
-        # (templates with a filler for each padding, which of the views are parameters); None: not all are
-        self.param_templates: dict = {}
-        for dt, ix in self.buckets:
-            shapes, pick = [], []
-            for i in ix:
-                spec = self.specs[i]
-                if spec.padding and spec.dim != 0:
-                    shapes = None
-                    break
-                pick.append(len(shapes))
-                shapes.append(spec.shape)
-                gap = math.prod(spec.padded_shape) - spec.numel
-                if gap:
-                    shapes.append((gap,))
-            self.param_templates[dt] = None if shapes is None else (templates(shapes, dt), pick)
+        # pieces of this rank's slice), as meta tensors for one-call views of it (torch's unflatten_dense_tensors;
+        # a Python loop of views costs ~3 us a parameter)
+        meta = torch.device("meta")
+        self.shard_templates = {dt: [torch.empty(self.specs[i].local_shape, dtype=dt, device=meta) for i in ix]
+                                for dt, ix in self.buckets}
         # a 0-dim parameter's gradient is viewed as (1,) for torch._chunk_cat
         self.scalar = {dt: any(not self.specs[i].shape for i in ix) for dt, ix in self.buckets}
 
     def new_buffers(self, device) -> list[torch.Tensor]:
-        """The raw unsharded storage: one buffer per dtype (freed and refilled whole). Per-parameter layout: the
-        parameters' padded tensors one after the other (``padded``); flat layout: the group's flat buffer."""
-        return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
+        """The raw unsharded storage: per-parameter padded tensors, or one flat buffer per dtype.
 
-    def padded(self, bases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The per-parameter layout's padded parameters, as views of the buffers."""
-        out: list[torch.Tensor | None] = [None] * len(self.specs)
-        for (dt, ix), base in zip(self.buckets, bases):
-            for i, t in zip(ix, torch._C._nn.unflatten_dense_tensors(base, self.padded_templates[dt])):
-                out[i] = t
-        return out  # type: ignore[return-value]
+        Per-parameter layout: one storage per parameter, not one per group, so that an in-place edit of one
+        unsharded parameter (e.g. a frozen one under no_grad in forward) leaves the version counters, and so
+        the autograd views, of the group's other parameters alone."""
+        if self.flat:
+            return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
+        return [torch.empty(s.padded_shape, dtype=s.dtype, device=device) for s in self.specs]
 
     def flat_shards(self, shards: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per bucket, the local shards as 1-D views: the copy-in's inputs (a caller gathering the same shards
         twice makes them once). Plain tensors (``unwrapped``), under no_grad: the views have no history."""
         return [[shards[i].reshape(-1) for i in ix] for _, ix in self.buckets]
 
-    def copy_targets(self, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
+    def copy_targets(self, padded: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
         """Per bucket, where the copy-out writes: each padded parameter as ``(world, local numel)`` (every shard
         on dim 0) or ``(world, *local_shape)`` (``ShardSpec.split_view``); None in the flat layout (no
         copy-out). Made once per set of buffers: views stay valid when the storage is freed and refilled."""
         if self.flat:
             return [None] * len(self.buckets)
-        padded = None
-        out = []
-        for (dt, ix), base in zip(self.buckets, bases):
-            if self.dim0[dt]:
-                out.append(torch._C._nn.unflatten_dense_tensors(base, self.rank_major[dt]))
-            else:
-                padded = padded or self.padded(bases)
-                out.append([self.specs[i].split_view(padded[i]) for i in ix])
-        return out
+        return [[padded[i].view(self.world, -1) for i in ix] if self.dim0[dt]
+                else [self.specs[i].split_view(padded[i]) for i in ix] for dt, ix in self.buckets]
 
-    def views(self, bases: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The unsharded parameters as views of the buffers."""
+    def views(self, buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameters as views of the raw buffers."""
+        if not self.flat:
+            return tuple(s.unpad(t) for s, t in zip(self.specs, buffers))
         out: list[torch.Tensor | None] = [None] * len(self.specs)
-        padded = None
-        for (dt, ix), buf in zip(self.buckets, bases):
-            if self.flat:
-                for i in ix:
-                    s = self.specs[i]
-                    out[i] = buf[s.flat.offset : s.flat.offset + s.numel].view(s.shape)
-            elif (fast := self.param_templates[dt]) is not None:
-                views = torch._C._nn.unflatten_dense_tensors(buf, fast[0])
-                for i, k in zip(ix, fast[1]):
-                    out[i] = views[k]
-            else:
-                padded = padded or self.padded(bases)
-                for i in ix:
-                    out[i] = self.specs[i].unpad(padded[i])
+        for (dt, ix), buf in zip(self.buckets, buffers):
+            for i in ix:
+                s = self.specs[i]
+                out[i] = buf[s.flat.offset : s.flat.offset + s.numel].view(s.shape)
         return tuple(out)  # type: ignore[arg-type]
 
 

@@ -78,8 +78,8 @@ class _GroupRuntime:
         self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
         grad = [t.requires_grad for t in self.shards]
         self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
-        # The unsharded parameters: one buffer per dtype (freed and refilled whole; Buckets.new_buffers), and the
-        # copy-out's views of them (Buckets.copy_targets, made once per set of buffers).
+        # The unsharded parameters' raw buffers (Buckets.new_buffers: the padded parameters, or the flat layout's
+        # one per dtype), and the copy-out's views of them (Buckets.copy_targets, made once per set of buffers).
         self.bases: list[torch.Tensor] | None = None
         self.copy_to: tuple | None = None  # (bases, targets)
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
@@ -168,17 +168,21 @@ class Step:
             gr.bases, gr.views, gr.status = [], (), _Status.GATHERED
             return
         with no_functorch(), no_grad():
-            if gr.flat_shards is None:
-                gr.flat_shards = gr.layout.flat_shards(list(map(unwrapped, gr.shards)))
+            flat = gr.flat_shards
+            if flat is None:
+                plain = list(map(unwrapped, gr.shards))
+                flat = gr.layout.flat_shards(plain)
+                if all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy would be stale later)
+                    gr.flat_shards = flat
             if gr.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self._allocate(gr)
                 # Autograd may have saved views of these buffers: hide the refill from its version check.
                 # The collective may bump the version from its own thread until waited, so the versions are
                 # restored after the wait, in wait().
                 gr.versions = _preserve_versions(gr.bases)
-                gr.pending = start_gather(gr.layout, gr.flat_shards, self.pg, self.rank, outs=gr.bases)
+                gr.pending = start_gather(gr.layout, flat, self.pg, self.rank, outs=gr.bases)
             else:
-                gr.pending = start_gather(gr.layout, gr.flat_shards, self.pg, self.rank)
+                gr.pending = start_gather(gr.layout, flat, self.pg, self.rank)
         gr.status = _Status.GATHERING
 
     @staticmethod
@@ -207,7 +211,7 @@ class Step:
                 if fresh:
                     gr.pending.finish(self._copy_targets(gr))
                 else:  # refilling tensors autograd saved for backward: their version must not change
-                    with _preserve_versions(gr.bases):  # (views share their base's version counter)
+                    with _preserve_versions(gr.bases):
                         gr.pending.finish(self._copy_targets(gr))
                 if gr.versions is not None:
                     gr.versions.__exit__(None, None, None)

@@ -42,6 +42,19 @@ class Block(nn.Module):
         return x + self.l2(F.gelu(self.l1(x)))
 
 
+class EditsFrozen(Block):
+    """A block that edits its frozen parameter in place (under no_grad) in its forward."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.scale = nn.Parameter(torch.ones(d), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.mul_(1.0)
+        return super().forward(x) * self.scale
+
+
 class MLP(nn.Module):
     """Input projection (root), L residual blocks (groups), head (root)."""
 

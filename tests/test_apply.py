@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import funcshard
 from funcshard import ShardingError, optim
 from funcshard._collectives import Buckets
-from models import GPT, MLP, Block, FailOnce, GPTBlock, ReversedMLP
+from models import GPT, MLP, Block, EditsFrozen, FailOnce, GPTBlock, ReversedMLP
 from multirank import run_ranks
 from test_foundation import CollectiveCounter
 
@@ -414,6 +414,31 @@ def _frozen_shards():
 
 def test_frozen_shards_under_autograd():
     assert run_ranks(2, _frozen_shards) == [True, True]
+
+
+def _frozen_edited_in_place():
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    model.blocks = nn.ModuleList(EditsFrozen(6) for _ in range(2))
+    x = torch.randn(8, 7)
+    frozen = {"blocks.0.scale", "blocks.1.scale"}
+    for reshard in (True, False):
+        plan = funcshard.plan(model, _mesh(), groups=(EditsFrozen,), reshard_after_forward=reshard)
+        state = {k: v.requires_grad_(k not in frozen) for k, v in funcshard.shard(plan).items()}
+        funcshard.apply(plan, state, _local(x)).square().mean().backward()
+        full = {k: v.detach().clone().requires_grad_(k not in frozen) for k, v in funcshard.gather(plan, state).items()}
+        torch.func.functional_call(model, full, (x,)).square().mean().backward()
+        for k, v in state.items():
+            if k not in frozen:
+                torch.testing.assert_close(v.grad, plan.specs[k].local_shard(full[k].grad, dist.get_rank()))
+    return True
+
+
+def test_a_parameter_edited_in_place_in_forward_leaves_the_others_alone():
+    """An in-place edit of one unsharded parameter (a frozen one, under no_grad, in its module's forward) must not
+    invalidate the group's other parameters: each has its own storage and version counter (one buffer per group
+    made autograd reject every other output of the gather as a view whose base was modified)."""
+    assert run_ranks(2, _frozen_edited_in_place) == [True, True]
 
 
 class _Twice(nn.Module):

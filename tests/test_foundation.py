@@ -84,43 +84,6 @@ def test_spec_local_shards_reassemble(shape, world, dim_seed):
         assert not shards[r].narrow(dim, n, spec.chunk - n).any()
 
 
-@given(
-    params=st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=0, max_size=3), st.integers(0, 10),
-                              st.sampled_from(["f32", "bf16"])), min_size=1, max_size=6),
-    world=st.integers(1, 4),
-)
-@settings(max_examples=60, deadline=None)
-def test_bucket_views_are_the_padded_parameters(params, world):
-    """The one-call views of a group's unsharded buffers (parameters, copy-out targets) are exactly the
-    per-parameter views (ShardSpec.unpad, split_view) of the padded tensors laid out one after another."""
-    specs = [ShardSpec(f"p{k}", tuple(shape), DTYPES[d], seed % max(len(shape), 1), 0, world)
-             for k, (shape, seed, d) in enumerate(params)]
-    layout = _collectives.Buckets(specs)
-    bases = layout.new_buffers(torch.device("cpu"))
-    for b in bases:
-        b.copy_(torch.arange(b.numel()))
-    padded = layout.padded(bases)
-    for s, t in zip(specs, padded):
-        assert t.shape == s.padded_shape and t.is_contiguous()
-    for (dt, ix), base in zip(layout.buckets, bases):
-        at = 0
-        for i in ix:
-            assert padded[i].numel() == 0 or padded[i].data_ptr() == base.data_ptr() + at * base.element_size()
-            at += math.prod(specs[i].padded_shape)
-        assert at == base.numel()
-
-    def same(a, b):
-        return (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
-
-    for s, v, t in zip(specs, layout.views(bases), padded):
-        assert same(v, s.unpad(t)) or v.numel() == 0 == s.numel, s
-    for (dt, ix), targets in zip(layout.buckets, layout.copy_targets(bases)):
-        for i, t in zip(ix, targets):
-            want = padded[i].view(world, -1) if layout.dim0[dt] else specs[i].split_view(padded[i])
-            assert same(t, want) or t.numel() == 0, specs[i]
-
-
 # ---- shard / gather round trips on W ranks -----------------------------------------------------
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i64": torch.int64}

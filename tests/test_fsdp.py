@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import funcshard
-from models import GPT, MLP, Block, FailOnce, ReversedMLP
+from models import GPT, MLP, Block, EditsFrozen, FailOnce, ReversedMLP
 from multirank import run_ranks
 
 TOL = 1e-6
@@ -164,6 +164,14 @@ def _frozen(fs, mesh):
     model.inp.bias.requires_grad_(False)
     model.blocks[0].l1.weight.requires_grad_(False)
     model.blocks[2].requires_grad_(False)  # a whole unit frozen
+    return _fit(_nested(fs, model, mesh))
+
+
+def _frozen_edited(fs, mesh):
+    """A frozen parameter edited in place (under no_grad) in its block's forward: the others are unaffected."""
+    torch.manual_seed(20)
+    model = MLP(layers=2)
+    model.blocks = nn.ModuleList(EditsFrozen(6) for _ in range(2))
     return _fit(_nested(fs, model, mesh))
 
 
@@ -369,6 +377,7 @@ SCENARIOS = {
     "post_accumulate_grad_hooks": _post_accumulate_hooks,
     "clip_grad_norm": _clip,
     "frozen_params": _frozen,
+    "frozen_param_edited_in_forward": _frozen_edited,
     "ignored_params": _ignored,
     "unused_in_some_steps": _unused,
     "tied_weights": _tied,
@@ -423,7 +432,7 @@ def test_gradient_accumulation_and_clipping():
 
 
 def test_frozen_ignored_unused_buffers():
-    _check(2, ["frozen_params", "ignored_params", "unused_in_some_steps", "buffers"])
+    _check(2, ["frozen_params", "frozen_param_edited_in_forward", "ignored_params", "unused_in_some_steps", "buffers"])
 
 
 def test_prefetch_manual_unshard_and_units():
