@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -40,6 +42,55 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.l2(F.gelu(self.l1(x)))
+
+
+class ScheduleLog:
+    """Records, on funcshard's runtime, each group all-gather issued, each collective, and block forwards."""
+
+    def __init__(self):
+        self.events: list[str] = []
+
+    def __enter__(self):
+        from funcshard import _collectives, _runtime
+
+        names = (_collectives._AG_NAME, _collectives._RS_NAME)  # torch.distributed's, looked up per call
+        self._saved = (_runtime.Step.unshard, *(getattr(dist, n) for n in names))
+        unshard, ag, rs = self._saved
+        log = self.events
+
+        def logged_unshard(step, name):
+            if step.groups[name].status.value == "sharded":
+                log.append(f"AG {name or '<root>'}")
+            return unshard(step, name)
+
+        def counted(*a, _fn, _kind, **k):
+            log.append(_kind)
+            return _fn(*a, **k)
+
+        finish = self._finish = _collectives.PendingReduce.finish
+
+        def logged_finish(pending, divide):
+            log.append("RS taken")
+            return finish(pending, divide)
+
+        _runtime.Step.unshard = logged_unshard
+        _collectives.PendingReduce.finish = logged_finish
+        for n, fn, kind in zip(names, (ag, rs), ("ag", "rs")):
+            setattr(dist, n, functools.partial(counted, _fn=fn, _kind=kind))
+        return self
+
+    def __exit__(self, *exc):
+        from funcshard import _collectives, _runtime
+
+        _runtime.Step.unshard = self._saved[0]
+        _collectives.PendingReduce.finish = self._finish
+        for n, fn in zip((_collectives._AG_NAME, _collectives._RS_NAME), self._saved[1:]):
+            setattr(dist, n, fn)
+
+    def take(self, kinds=("ag", "rs")):
+        out = [e for e in self.events if e.split()[0] in kinds]
+        self.events.clear()
+        return out
 
 
 class EditsFrozen(Block):

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import funcshard
 from funcshard import ShardingError, optim
 from funcshard._collectives import Buckets
-from models import GPT, MLP, Block, EditsFrozen, FailOnce, GPTBlock, ReversedMLP
+from models import GPT, MLP, Block, EditsFrozen, FailOnce, GPTBlock, ReversedMLP, ScheduleLog
 from multirank import run_ranks
 from test_foundation import CollectiveCounter
 
@@ -816,38 +816,24 @@ def test_full_gradients_are_freed_before_the_reduce_scatter():
 def _reduce_scatter_schedule():
     """Issue and completion of each reduce-scatter against the blocks' backwards, for apply under
     value_and_grad, under .backward(), and under torch.func.grad (which gathers the whole step at once)."""
-    from unittest import mock
-
-    import funcshard._collectives as C
-
-    log = []
-    issue, finish = C.reduce_scatter_into, C.PendingReduce.finish
-
-    def issued(out, inp, group, async_op=True):
-        log.append("rs")
-        return issue(out, inp, group, async_op)
-
-    def taken(pending, divide):
-        log.append("RS taken")
-        return finish(pending, divide)
-
     torch.manual_seed(0)
     model = MLP(layers=3)
-    def on_backward(i):  # a tensor hook on the block's output (full backward hooks refuse torch.func)
-        def forward_hook(mod, args, y):
-            y.register_hook(lambda g: log.append(f"bwd blocks.{i}"))
-
-        return forward_hook
-
-    for i, b in enumerate(model.blocks):
-        b.register_forward_hook(on_backward(i))
     plan = funcshard.plan(model, _mesh(), groups=(Block,))
     x = torch.randn(4, 7)
     out = {}
-    with mock.patch.object(C, "reduce_scatter_into", issued), mock.patch.object(C.PendingReduce, "finish", taken):
+    with ScheduleLog() as log:
+        def on_backward(i):  # a tensor hook on the block's output (full backward hooks refuse torch.func)
+            def forward_hook(mod, args, y):
+                y.register_hook(lambda g: log.events.append(f"bwd blocks.{i}"))
+
+            return forward_hook
+
+        for i, b in enumerate(model.blocks):
+            b.register_forward_hook(on_backward(i))
         for mode in ("value_and_grad", "backward", "torch.func", "grad_of_last_block"):
             state = funcshard.shard(plan)
             loss = lambda s: funcshard.apply(plan, s, x).square().sum()  # noqa: E731
+            log.take()
             if mode == "value_and_grad":
                 funcshard.value_and_grad(loss)(state)
             elif mode == "backward":
@@ -857,8 +843,7 @@ def _reduce_scatter_schedule():
             else:  # only what that block's gradient needs runs (one reduce-scatter)
                 leaves = {k: v.requires_grad_() for k, v in state.items()}
                 torch.autograd.grad(loss(leaves), [v for k, v in leaves.items() if k.startswith("blocks.2.")])
-            out[mode] = [e for e in log if e.startswith(("rs", "RS", "bwd"))]
-            log.clear()
+            out[mode] = log.take(("rs", "RS", "bwd"))
     return out
 
 

@@ -7,8 +7,6 @@ optimizer, and compares per-step losses and final full parameters (and buffers) 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import funcshard
-from models import GPT, MLP, Block, EditsFrozen, FailOnce, ReversedMLP
+from models import GPT, MLP, Block, EditsFrozen, FailOnce, ReversedMLP, ScheduleLog
 from multirank import run_ranks
 
 TOL = 1e-6
@@ -477,55 +475,6 @@ def test_uneven_shards_on_four_ranks():
 # ---- the settings change the schedule, not just the numbers ----------------------------------------------
 
 
-class _Log:
-    """Records, on funcshard's runtime, each group all-gather issued, each collective, and block forwards."""
-
-    def __init__(self):
-        self.events: list[str] = []
-
-    def __enter__(self):
-        from funcshard import _collectives, _runtime
-
-        names = (_collectives._AG_NAME, _collectives._RS_NAME)  # torch.distributed's, looked up per call
-        self._saved = (_runtime.Step.unshard, *(getattr(dist, n) for n in names))
-        unshard, ag, rs = self._saved
-        log = self.events
-
-        def logged_unshard(step, name):
-            if step.groups[name].status.value == "sharded":
-                log.append(f"AG {name or '<root>'}")
-            return unshard(step, name)
-
-        def counted(*a, _fn, _kind, **k):
-            log.append(_kind)
-            return _fn(*a, **k)
-
-        finish = self._finish = _collectives.PendingReduce.finish
-
-        def logged_finish(pending, divide):
-            log.append("RS taken")
-            return finish(pending, divide)
-
-        _runtime.Step.unshard = logged_unshard
-        _collectives.PendingReduce.finish = logged_finish
-        for n, fn, kind in zip(names, (ag, rs), ("ag", "rs")):
-            setattr(dist, n, functools.partial(counted, _fn=fn, _kind=kind))
-        return self
-
-    def __exit__(self, *exc):
-        from funcshard import _collectives, _runtime
-
-        _runtime.Step.unshard = self._saved[0]
-        _collectives.PendingReduce.finish = self._finish
-        for n, fn in zip((_collectives._AG_NAME, _collectives._RS_NAME), self._saved[1:]):
-            setattr(dist, n, fn)
-
-    def take(self, kinds=("ag", "rs")):
-        out = [e for e in self.events if e.split()[0] in kinds]
-        self.events.clear()
-        return out
-
-
 def _schedule():
     mesh = _mesh()
     out = {}
@@ -545,7 +494,7 @@ def _schedule():
             comms = log.take()
             out.setdefault(name, []).append((comms.count("ag"), comms.count("rs")))
 
-    with _Log() as log:
+    with ScheduleLog() as log:
         for name, kw in [("rsf_true", {"reshard_after_forward": True}), ("rsf_none", {}),
                          ("rsf_false", {"reshard_after_forward": False})]:
             m = model_with(**kw)
