@@ -81,7 +81,7 @@ class _GroupRuntime:
         # The unsharded parameters' raw buffers (Buckets.new_buffers: the padded parameters, or the flat layout's
         # one per dtype), and the copy-out's views of them (Buckets.copy_targets, made once per set of buffers).
         self.bases: list[torch.Tensor] | None = None
-        self.copy_to: tuple | None = None  # (bases, targets)
+        self.copy_to: list | None = None
         self.views: tuple[torch.Tensor, ...] | None = None  # autograd-visible unsharded parameters
         self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
         # The _GroupGather node that made the views (weakly), when the views carry autograd history. The step
@@ -189,15 +189,10 @@ class Step:
     def _allocate(gr: _GroupRuntime) -> None:
         if gr.bases is None:
             gr.bases = gr.layout.new_buffers(gr.shards[0].device)
+            gr.copy_to = gr.layout.copy_targets(gr.bases)
         else:  # storage freed by reshard: allocate it again (autograd's views stay valid)
             for t in gr.bases:
                 t.untyped_storage().resize_(t.numel() * t.element_size())
-
-    @staticmethod
-    def _copy_targets(gr: _GroupRuntime) -> list:
-        if gr.copy_to is None or gr.copy_to[0] is not gr.bases:
-            gr.copy_to = (gr.bases, gr.layout.copy_targets(gr.bases))
-        return gr.copy_to[1]
 
     def wait(self, name: str) -> None:
         gr = self.groups[name]
@@ -209,10 +204,10 @@ class Step:
                 if not gr.layout.flat:
                     self._allocate(gr)
                 if fresh:
-                    gr.pending.finish(self._copy_targets(gr))
+                    gr.pending.finish(gr.copy_to)
                 else:  # refilling tensors autograd saved for backward: their version must not change
                     with _preserve_versions(gr.bases):
-                        gr.pending.finish(self._copy_targets(gr))
+                        gr.pending.finish(gr.copy_to)
                 if gr.versions is not None:
                     gr.versions.__exit__(None, None, None)
                     gr.versions = None
@@ -437,6 +432,7 @@ class Step:
                 continue
             with no_functorch(), no_grad():
                 gr.bases = gr.layout.new_buffers(gr.shards[0].device)
+                gr.copy_to = gr.layout.copy_targets(gr.bases)
                 views = gr.layout.views(gr.bases)
                 free_buffers(gr.bases)
             outs.extend(views)

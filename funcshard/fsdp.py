@@ -389,8 +389,7 @@ class _Step(Step):
                 param = r.param
                 if o is None or not param.requires_grad or (not g and not reduce_unused):
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
-                if r.valid != r.spec.chunk:  # (r.local: the unpadded part)
-                    o = o.narrow(r.spec.dim, 0, r.valid)
+                o = r.local(o)
                 grad = param.grad
                 if grad is None:
                     param.grad = r.grad_dtensor(o)
