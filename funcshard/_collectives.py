@@ -264,13 +264,16 @@ class Buckets:
     Flat layout: a bucket is the group's flat buffer; the all-gather output is the parameters themselves.
     """
 
-    def __init__(self, specs: Sequence[ShardSpec]):
+    def __init__(self, specs: Sequence[ShardSpec], only: Sequence[int] | None = None):
         self.specs = tuple(specs)
         self.world = specs[0].world if specs else 1
         self.flat = bool(specs) and specs[0].flat is not None
+        self._subsets: dict[tuple[int, ...], Buckets] = {}
+        keep = None if only is None else set(only)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, s in enumerate(self.specs):
-            by_dtype.setdefault(s.dtype, []).append(i)
+            if keep is None or i in keep:
+                by_dtype.setdefault(s.dtype, []).append(i)
         self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
         self.dim0 = {dt: not self.flat and all(self.specs[i].dim == 0 for i in ix) for dt, ix in self.buckets}
@@ -289,6 +292,18 @@ class Buckets:
                                 for dt, ix in self.buckets}
         # a 0-dim parameter's gradient is viewed as (1,) for torch._chunk_cat
         self.scalar = {dt: any(not self.specs[i].shape for i in ix) for dt, ix in self.buckets}
+
+    def only(self, index: tuple[int, ...]) -> Buckets:
+        """The layout of the parameters at ``index`` alone (the rest are left out of its buckets; results are
+        still indexed by position in ``specs``): a group's reduce-scatter covers only the parameters that take
+        a gradient, as FSDP2's does, so a frozen parameter costs no traffic and no buffer. The flat layout keeps
+        every parameter at its fixed offset: itself."""
+        if self.flat or len(index) == len(self.specs):
+            return self
+        hit = self._subsets.get(index)
+        if hit is None:
+            hit = self._subsets[index] = Buckets(self.specs, only=index)
+        return hit
 
     def new_buffers(self, device) -> list[torch.Tensor]:
         """The raw unsharded storage: per-parameter padded tensors, or one flat buffer per dtype.

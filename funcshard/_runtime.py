@@ -67,7 +67,7 @@ class _Status(enum.Enum):
 class _GroupRuntime:
     """One group's buffers and state within a step."""
 
-    __slots__ = ("group", "layout", "shards", "flat_shards", "bases", "copy_to", "views", "status",
+    __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "views", "status",
                  "pending", "slots", "originals", "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest",
                  "trainable", "uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked",
                  "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran", "node")
@@ -101,6 +101,9 @@ class _GroupRuntime:
         # the group's reduce-scatter, so it is freed only once its inputs' gradients are complete too.
         self.frozen = not all(grad)
         self.trainable = any(grad)
+        # the reduce-scatter's layout: the parameters that take a gradient (decided by the shards, as every rank
+        # sees them; a trainable parameter without a gradient on this rank is sent as zeros, so the ranks agree)
+        self.reduce_layout = layout.only(tuple(i for i, g in enumerate(grad) if g)) if self.frozen else layout
         # A frozen group is freed in backward once every use's input gradients are done (inputs_left: watched
         # uses still to go; unwatched: a use whose inputs could not be watched, so only the end of backward)
         # and its post-backward ran for every gather that made autograd history (nodes_left).
@@ -530,7 +533,7 @@ class Step:
         self._grads_done(name)
         self.finish_reduce_scatter()
         with no_functorch():
-            return start_reduce_scatter(gr.layout, grads, self.pg, gr.shards[0].device)
+            return start_reduce_scatter(gr.reduce_layout, grads, self.pg, gr.shards[0].device)
 
     def _take_reduce_scatter(self) -> tuple | None:
         """Wait for the reduce-scatter in flight, if any: (group, its shards, extra)."""

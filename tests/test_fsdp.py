@@ -925,3 +925,62 @@ def test_frozen_weights_do_not_keep_fully_shard_blocks_gathered():
     of backward: LoRA-style blocks keep the bound of trainable ones (it was all 6 blocks, then 3)."""
     trainable, frozen = run_ranks(2, _frozen_gathered_at_once)[0]
     assert trainable <= 2 and frozen <= 2, (trainable, frozen)
+
+
+def _frozen_traffic():
+    """Reduce-scatter elements and peak live bytes of one backward step with a frozen weight in every block
+    (LoRA-style), counted at dispatch (c10d ops: what any caller issues), for FSDP2, fully_shard and apply."""
+    from memtrack import PeakBytes
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rs = self.ag = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "reduce_scatter" in name:
+                self.rs += sum(t.numel() for t in args[1]) if isinstance(args[1], (list, tuple)) else args[1].numel()
+            elif "allgather" in name:
+                self.ag += sum(t.numel() for t in args[0]) if isinstance(args[0], (list, tuple)) else args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    def frozen_mlp():
+        torch.manual_seed(0)
+        m = MLP(d=64, layers=4)
+        for b in m.blocks:
+            b.l1.weight.requires_grad_(False)
+        return m
+
+    mesh, (x, y) = _mesh(), _mlp_batch(0)
+    out = {}
+    for name, fs in SYSTEMS.items():
+        model = _nested(fs, frozen_mlp(), mesh)
+        F.mse_loss(model(x), y).backward()
+        with PeakBytes([p.to_local() for p in model.parameters()] + [x, y]) as mem, Traffic() as t:
+            F.mse_loss(model(x), y).backward()
+        out[name] = (t.ag, t.rs, mem.peak)
+    model = frozen_mlp()
+    plan = funcshard.plan(model, mesh, groups=(Block,))
+    state = {k: v.requires_grad_(dict(model.named_parameters())[k].requires_grad)
+             for k, v in funcshard.shard(plan).items()}
+    trainable = {k: v for k, v in state.items() if v.requires_grad}
+    frozen = {k: v for k, v in state.items() if not v.requires_grad}
+    step = funcshard.value_and_grad(lambda tr: F.mse_loss(funcshard.apply(plan, {**tr, **frozen}, x), y))
+    step(trainable)
+    with Traffic() as t:
+        _, grads = step(trainable)
+    out["apply"] = (t.ag, t.rs, None)
+    return out
+
+
+def test_frozen_weights_cost_no_reduce_scatter_traffic_or_memory():
+    """Only parameters that take a gradient are reduce-scattered (FSDP2's traffic): a frozen weight in every
+    block (LoRA-style) used to go over the wire as zeros, doubling the reduce-scatter bytes here and keeping a
+    full-size gradient buffer per block (peak 1.4x FSDP2's)."""
+    for out in run_ranks(2, _frozen_traffic):
+        (ag, rs, peak), (fs_ag, fs_rs, fs_peak) = out["torch"], out["funcshard"]
+        assert (fs_ag, fs_rs) == (ag, rs), out
+        assert fs_peak <= peak, out
+        assert out["apply"][:2] == (ag, rs), out
