@@ -337,19 +337,28 @@ class Step:
             if self.relaying and gr.trainable and torch.is_grad_enabled():  # (a no-grad use needs no relay)
                 token = self._relay(name)
                 self._relay(self._next_trainable(name))  # made now: autograd runs it after this group's backward
-            shards = map(_unwrap_if_dead, [state[p] for p in gr.group.params])
-            if _no_saved_hooks():  # autograd saves the outputs plainly
-                gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
-            else:
-                with _saving_views():
-                    gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
-            node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
-            if node is not None:
-                gr.node = weakref.ref(node)
-                node.register_prehook(self._take_grads_hooks[name])
-                gr.nodes += 1  # this gather's node runs the group's post-backward once
-                gr.nodes_left += 1
+            self._gather_node(name, token)
         return gr.views
+
+    def _gather_node(self, name: str, token: torch.Tensor | None, in_backward: bool = False) -> None:
+        """The group's unsharded parameters as outputs of a new _GroupGather node (its backward runs the
+        group's post-backward), from the gathered buffers. ``in_backward``: made for a recomputation inside
+        backward, whose own (nested) backward runs the node."""
+        gr = self.groups[name]
+        shards = map(_unwrap_if_dead, [self.state[p] for p in gr.group.params])
+        if _no_saved_hooks():  # autograd saves the outputs plainly
+            gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
+        else:
+            with _saving_views():
+                gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
+        node = next((v.grad_fn for v in gr.views if v.grad_fn is not None), None)
+        if node is not None:
+            gr.node = weakref.ref(node)
+            node.register_prehook(self._take_grads_hooks[name])
+            if in_backward:
+                node.in_backward = True  # (the node is the Function's context: _GroupGather.backward reads it)
+            gr.nodes += 1  # this gather's node runs the group's post-backward once
+            gr.nodes_left += 1
 
     def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
         """The group's parameters as views of its _StepGather outputs, each with the gradient hook that
@@ -492,22 +501,53 @@ class Step:
         a later forward must not take this step's hooks for recomputation)."""
         return self.backward_started and torch._C._current_graph_task_id() == self.backward_task
 
-    def check_recompute(self, name: str) -> None:
-        if torch.is_grad_enabled() and not self.groups[name].views_grad:
-            raise NotImplementedError(
-                f"group {name!r} is recomputed with grad enabled during backward, but its forward ran without "
-                f"grad: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) is "
-                f"not supported (its gradients would be lost); use use_reentrant=False")
+    def recompute(self, name: str) -> None:
+        """The group's forward runs again inside backward (activation checkpointing)."""
+        if torch.is_grad_enabled() and not self.groups[name].views_grad:  # reentrant: the forward had no grad
+            self.gather_in_backward(name)
+        else:  # the group's pre-backward gathered it
+            self.wait(name)
+            self.swap_in(name)
 
-    def pre_backward(self, name: str) -> None:
+    def _begin_backward(self) -> None:
         task = torch._C._current_graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
             self.backward_started, self.backward_task = True, task
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def pre_backward(self, name: str) -> None:
+        self._begin_backward()
         self.unshard(name)
         self.wait(name)
+        gr = self.groups[name]
+        if (gr.views is None and gr.trainable and not self.fused and gr.status is _Status.GATHERED
+                and self._saved_views(gr) is None):
+            # The forward's node is gone: no recorded op used the group's parameters (reentrant checkpointing
+            # inside the group's forward ran them under no_grad). Its recomputation uses these, and the backward
+            # the checkpoint runs on the recomputed graph reaches their node (the group's post-backward).
+            with torch.enable_grad():
+                self._gather_node(name, None, in_backward=True)
         self.swap_in(name)  # activation-checkpoint recomputation reads the module's attributes
         self.prefetch(name, backward=True)
+
+    def gather_in_backward(self, name: str) -> None:
+        """Reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``): the group's
+        parameters are about to be used with grad enabled inside backward, by a recomputation whose first run
+        recorded no autograd history for them (it ran under no_grad). Gather the group through a new node, so
+        that the backward the checkpoint runs on the recomputed graph runs the group's post-backward (it
+        reduce-scatters and frees the group), as FSDP2's unsharded parameters collect that backward's
+        gradients."""
+        gr = self.groups[name]
+        self._begin_backward()
+        self.unshard(name)
+        self.wait(name)
+        self.prefetch(name, backward=True)
+        self.swap_out(name)
+        if gr.shards:
+            with torch.enable_grad():
+                self._gather_node(name, None, in_backward=True)
+        gr.views_grad = True
+        self.swap_in(name)
 
     def post_backward(self, name: str, grads: list) -> list[torch.Tensor]:
         """Free the group, then reduce-scatter its full gradients (consumes ``grads``): FSDP2's order, so that
@@ -834,10 +874,7 @@ def _make_pre_hook(step: Step, name: str):
             step.swap_in(name)
             return step.watch_inputs(name, args)
         elif step.recomputing():  # activation-checkpoint recomputation during this step's backward
-            step.check_recompute(name)
-            step.unshard(name)
-            step.wait(name)
-            step.swap_in(name)
+            step.recompute(name)
 
     return pre_hook
 
@@ -979,6 +1016,14 @@ class _GroupGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         step = ctx.step
+        if (step.backward_started and torch._C._current_graph_task_id() != step.backward_task
+                and not getattr(ctx, "in_backward", False)):
+            raise NotImplementedError(
+                f"group {ctx.name!r}: part of its forward ran inside a reentrant activation-checkpoint region "
+                f"(torch.utils.checkpoint(..., use_reentrant=True)) and part outside it, so the backward that "
+                f"the checkpoint runs on its recomputation reached the gradients of the whole group's "
+                f"parameters half-way through the step's backward. Reentrant checkpointing is supported around "
+                f"whole groups (or a group's whole forward); use use_reentrant=False here")
         grads = step.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
         if torch.is_grad_enabled():  # a backward with create_graph=True

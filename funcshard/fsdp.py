@@ -442,11 +442,9 @@ def _in_backward() -> bool:
 def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     ctx = _ctx(unit)
     name = unit.group
-    if _in_backward():  # activation-checkpoint recomputation: the group's pre-backward gathered it
-        if name is not None and ctx.step is not None:
-            ctx.step.check_recompute(name)
-            ctx.step.wait(name)
-            ctx.step.swap_in(name)
+    if _in_backward():  # activation-checkpoint recomputation
+        if name is not None and (step := ctx.step) is not None:
+            step.recompute(name)
         return None
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic

@@ -17,7 +17,7 @@ import funcshard
 from funcshard import ShardingError, optim
 from funcshard._collectives import Buckets
 from models import GPT, MLP, Block, EditsFrozen, FailOnce, GPTBlock, ReversedMLP, ScheduleLog
-from multirank import run_ranks
+from multirank import RankError, run_ranks
 from test_foundation import CollectiveCounter
 
 STEPS = 10
@@ -111,12 +111,14 @@ def test_parity_with_single_process(world):
 def _gpt_parity(tied, use_checkpoint):
     torch.manual_seed(1)
     model = GPT(vocab=32, d=16, heads=2, layers=3, seq=8, tied=tied)
-    if use_checkpoint == "inside":  # checkpoint the MLP inside each group
+    reentrant = use_checkpoint is not None and use_checkpoint.endswith("_reentrant")
+    where = use_checkpoint and use_checkpoint.removesuffix("_reentrant")
+    if where == "inside":  # checkpoint the MLP inside each group
         for b in model.blocks:
             mlp = b.mlp
-            b.mlp = _Checkpointed(mlp)
-    elif use_checkpoint == "around":  # checkpoint each whole group from its parent
-        model.blocks = nn.ModuleList(_Checkpointed(b) for b in model.blocks)
+            b.mlp = _Checkpointed(mlp, reentrant)
+    elif where in ("around", "parent"):  # checkpoint each whole block: the group, or from the group's parent
+        model.blocks = nn.ModuleList(_Checkpointed(b, reentrant) for b in model.blocks)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(5)]
 
@@ -124,26 +126,36 @@ def _gpt_parity(tied, use_checkpoint):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     ref = _reference(model, batches, loss_fn)
-    group_cls = _Checkpointed if use_checkpoint == "around" else GPTBlock
+    group_cls = _Checkpointed if where == "around" else GPTBlock
     plan = funcshard.plan(model, _mesh(), groups=(group_cls,))
-    modes = ("backward", "value_and_grad") if use_checkpoint else ("grad", "backward", "value_and_grad")
+    # (reentrant checkpointing: torch refuses autograd.grad and torch.func through it)
+    modes = ("backward",) if reentrant else ("backward", "value_and_grad") if use_checkpoint else (
+        "grad", "backward", "value_and_grad")
     for mode in modes:
         _compare(ref, _train(plan, batches, loss_fn, mode), 1e-5)
     return len(plan.groups)
 
 
 class _Checkpointed(nn.Module):
-    def __init__(self, inner):
+    def __init__(self, inner, reentrant=False):
         super().__init__()
-        self.inner = inner
+        self.inner, self.reentrant = inner, reentrant
 
     def forward(self, x):
-        return checkpoint(self.inner, x, use_reentrant=False)
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
-@pytest.mark.parametrize("tied,ckpt", [(False, None), (True, None), (False, "inside"), (True, "around")])
+@pytest.mark.parametrize("tied,ckpt", [(False, None), (True, None), (False, "inside"), (True, "around"),
+                                       (True, "around_reentrant"), (False, "parent_reentrant")])
 def test_gpt_parity_tied_and_checkpointed(tied, ckpt):
     assert run_ranks(2, _gpt_parity, tied, ckpt) == [4, 4]
+
+
+def test_reentrant_checkpoint_of_part_of_a_group_is_refused():
+    """Reentrant checkpointing of part of a group's forward (here the MLP of each block) would free the group
+    half-way through its backward (it was a 'data is not allocated' error from inside autograd)."""
+    with pytest.raises(RankError, match=r"group 'blocks\.2': part of its forward ran inside a reentrant"):
+        run_ranks(2, _gpt_parity, False, "inside_reentrant")
 
 
 # ---- the schedule is data: the runtime issues what the plan prints ------------------------------
@@ -1006,7 +1018,7 @@ class _SharedFrozen(nn.Module):
 
 
 def _robust_backward():
-    """Later steps after a backward that raised; a frozen group used twice; reentrant checkpointing refused;
+    """Later steps after a backward that raised; a frozen group used twice; a group checkpointed reentrantly;
     batched gradients refused."""
     torch.manual_seed(0)
     model = _SharedFrozen()
@@ -1031,37 +1043,38 @@ def _robust_backward():
         frozen = {k: v for k, v in state.items() if not v.requires_grad}
         _, grads = funcshard.value_and_grad(lambda t, f: funcshard.apply(plan, {**t, **f}, x).square().sum())(train, frozen)
         checks.append(all(torch.allclose(grads[k], want[k], atol=1e-5) for k in train))
-    errors = []
     plan = funcshard.plan(model, _mesh(), groups=(Block,))
-    state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
-    for attempt in ("reentrant", "batched"):
-        try:
-            if attempt == "reentrant":
-                model.reentrant = True
-                try:
-                    funcshard.apply(plan, state, x).square().sum().backward()
-                finally:
-                    model.reentrant = False
-            else:
-                out = funcshard.apply(plan, state, x)
-                torch.autograd.grad(out, list(state.values()), torch.eye(3).reshape(3, 1, 3).expand(3, 4, 3),
-                                    is_grads_batched=True, allow_unused=True)
-            errors.append("no error")
-        except NotImplementedError as e:
-            errors.append(str(e))
+    want = funcshard.shard(plan, ref)
+    state = {k: v.requires_grad_(model.get_parameter(k).requires_grad) for k, v in funcshard.shard(plan).items()}
+    model.reentrant = True  # a whole group checkpointed reentrantly: gradients as without checkpointing
+    try:
+        for _ in range(2):
+            leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in state.items()}
+            funcshard.apply(plan, leaves, x).square().sum().backward()
+            checks.append(all(torch.allclose(leaves[k].grad, want[k], atol=1e-5) for k in want if state[k].requires_grad))
+    finally:
+        model.reentrant = False
+    errors = []
+    state = {k: v.detach().requires_grad_() for k, v in state.items()}
+    try:
+        out = funcshard.apply(plan, state, x)
+        torch.autograd.grad(out, list(state.values()), torch.eye(3).reshape(3, 1, 3).expand(3, 4, 3),
+                            is_grads_batched=True, allow_unused=True)
+        errors.append("no error")
+    except NotImplementedError as e:
+        errors.append(str(e))
     return checks, errors
 
 
 def test_backward_robustness():
     """After a backward that raised half-way, later steps are right (the aborted step no longer answers the
-    modules' hooks); a group with frozen weights used twice is freed only after both uses' backward;
-    reentrant checkpointing and batched gradients raise instead of losing gradients."""
+    modules' hooks); a group with frozen weights used twice is freed only after both uses' backward; a group
+    checkpointed reentrantly gets its gradients (it raised NotImplementedError); batched gradients raise instead
+    of losing gradients."""
     for checks, errors in run_ranks(2, _robust_backward):
-        assert all(checks) and len(checks) == 6, checks
-        assert re.search(r"reentrant activation checkpointing .* is not supported .* use use_reentrant=False",
-                         errors[0]), errors[0]
+        assert all(checks) and len(checks) == 8, checks
         assert re.search(r"got batched gradients \(torch\.autograd\.grad\(\.\.\., is_grads_batched=True\)\)",
-                         errors[1]), errors[1]
+                         errors[0]), errors[0]
 
 
 def _create_graph_warning():

@@ -309,11 +309,46 @@ def _shard_dim1(fs, mesh):
 class _Checkpointed(MLP):
     """Non-reentrant activation checkpointing around each block (the block's hooks run again in backward)."""
 
+    reentrant = False
+
     def forward(self, x):
         h = self.inp(x)
         for b in self.blocks:
-            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.reentrant)
         return self.out(h)
+
+
+class _CheckpointedReentrant(_Checkpointed):
+    """Reentrant checkpointing around each block (torch's default when use_reentrant is not given): the block
+    runs under no_grad in forward, and again with grad inside backward, followed by a nested backward."""
+
+    reentrant = True
+
+
+class _CheckpointsInside(nn.Module):
+    """A unit whose forward checkpoints (reentrant) its inner block: the unit's parameters are used under
+    no_grad in forward, and by the inner block's recomputation in backward, which runs no unit hooks."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.inner = Block(d)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
+
+
+def _reentrant(kind, **kw):
+    def run(fs, mesh):
+        torch.manual_seed(22)
+        model = _CheckpointedReentrant(layers=3)
+        if kind == "inside":
+            model.blocks = nn.ModuleList(_CheckpointsInside(6) for _ in range(3))
+        if kind == "frozen":  # LoRA-style, as Hugging Face PEFT trains with gradient checkpointing
+            for b in model.blocks:
+                b.l1.weight.requires_grad_(False)
+        return _fit(_nested(fs, model, mesh, **kw))
+
+    return run
 
 
 def _checkpointing(fs, mesh):
@@ -388,6 +423,10 @@ SCENARIOS = {
     "shard_placement_dim1": _shard_dim1,
     "activation_checkpointing": _checkpointing,
     "checkpointing_two_backwards_retained_graph": _checkpointing_retained,
+    "reentrant_checkpointing": _reentrant("around"),
+    "reentrant_checkpointing_no_reshard": _reentrant("around", reshard_after_forward=False),
+    "reentrant_checkpointing_frozen_weights": _reentrant("frozen"),
+    "reentrant_checkpointing_inside_unit": _reentrant("inside"),
     "register_fsdp_forward_method": _forward_method,
     "blocks_only_no_root": _blocks_only,
     "two_forwards_one_backward": _two_forwards,
@@ -444,6 +483,13 @@ def test_checkpointing_forward_methods_and_partial_wrapping():
                "checkpointing_two_backwards_retained_graph", "forward_order_not_registration_order"])
 
 
+def test_reentrant_checkpointing():
+    """torch.utils.checkpoint(use_reentrant=True) around or inside units, as FSDP2 trains it (it raised
+    NotImplementedError around a unit, a DTensor/Tensor mix error inside one)."""
+    _check(2, ["reentrant_checkpointing", "reentrant_checkpointing_no_reshard",
+               "reentrant_checkpointing_frozen_weights", "reentrant_checkpointing_inside_unit"])
+
+
 def _steps_left_alive():
     """Live runtime Steps of a model after training (with and without checkpointing) and after forwards with grad
     enabled that no backward followed: the module keeps its current step, nothing else may survive."""
@@ -452,7 +498,7 @@ def _steps_left_alive():
     from funcshard._runtime import Step
 
     mesh, out = _mesh(), []
-    for model in (MLP(layers=3), _Checkpointed(layers=3)):
+    for model in (MLP(layers=3), _Checkpointed(layers=3), _CheckpointedReentrant(layers=3)):
         _fit(_nested(funcshard, model, mesh))
         for _ in range(3):
             model(_mlp_batch(0)[0]).sum()  # evaluation without no_grad: graphs made, then dropped
@@ -465,7 +511,7 @@ def _steps_left_alive():
 def test_no_step_outlives_its_graph():
     """A Step must not keep itself alive through the autograd graph (one step leaked per training step, with
     the views and hooks it holds, before the fix)."""
-    assert run_ranks(2, _steps_left_alive) == [[1, 1]] * 2
+    assert run_ranks(2, _steps_left_alive) == [[1, 1, 1]] * 2
 
 
 def test_uneven_shards_on_four_ranks():
