@@ -11,8 +11,8 @@ For each model, on 2 spawned gloo ranks:
    runtime hooks and Python bookkeeping, per-call setup and checks, the optimizer; the rest is compute plus
    autograd / functorch. Wrappers cost ~1 us per call; totals are reported next to unwrapped step times.
 2. Step times without wrappers for the variants, interleaved (the ablations: what a runtime change would buy):
-   ``fs_apply`` as shipped, under plain autograd (no functorch), with ``prefetch=0``, and prototypes of the
-   suggested runtime changes, monkeypatched here (funcshard itself is not modified).
+   ``fs_apply`` as shipped, again (the A/A control), under plain autograd (no functorch), without donation,
+   with ``prefetch=0`` and with ``layout="flat"``.
 3. cProfile (top functions by own time) and torch.profiler (top ops by self CPU time) for fsdp2 and fs_apply,
    and where each one's peak memory is reached (op and stack).
 
@@ -42,7 +42,6 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import instruments
-import prototypes
 import systems as S
 import torch
 import torch.distributed as dist
@@ -114,7 +113,7 @@ class Phases:
 
 
 PH = Phases()
-PHASE_VARIANTS: list[str] = ["proto_best"]
+PHASE_VARIANTS: list[str] = []
 
 COPY_IN, ISSUE_AG, WAIT, COPY_OUT = "copy-in", "issue all-gather", "wait on collectives", "copy-out"
 RS_BUILD, ISSUE_RS = "reduce-scatter input/divide/split", "issue reduce-scatter"
@@ -135,7 +134,6 @@ def _patch(obj, attr, name, static=False):
 
 def install_phase_wrappers() -> None:
     """Call before building any system (FSDP2 registers bound methods as hooks at fully_shard time)."""
-    prototypes.PHASE_WRAP = lambda fn: PH.wrap(fn, RS_BUILD)
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
@@ -285,9 +283,6 @@ def build_variants(cfg, mesh, device, x, y, names):
         elif name == "fs_apply_pf0":
             s = FSApplyPrefetch0(cfg, mesh, device, x, y)
             out[name] = (s, _OptPhase.fs(s))
-        elif name in prototypes.VARIANTS:
-            s = S.FSApply(cfg, mesh, device, x, y)
-            out[name] = (s, prototypes.VARIANTS[name](s, PH, OPTIM))
     return out
 
 
@@ -419,7 +414,7 @@ def profile_model(cfg, repeats: int, steps: int, mesh, device, outdir: Path, var
     return res
 
 
-def _worker(rank, world, port, jobs, outdir, result_path, variants, phase_variants=("proto_best",)):
+def _worker(rank, world, port, jobs, outdir, result_path, variants, phase_variants=()):
     PHASE_VARIANTS[:] = phase_variants
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     lo = [n for _, n in socket.if_nameindex() if n.startswith("lo")]
@@ -499,8 +494,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variants", nargs="+",
                     default=["fsdp2", "fs_apply", "fs_apply_again", "fs_apply_autograd", "fs_apply_nodonate",
-                             "fs_apply_pf0", "fs_apply_flat", *prototypes.VARIANTS])
-    ap.add_argument("--phase-variants", nargs="*", default=["proto_best"],
+                             "fs_apply_pf0", "fs_apply_flat"])
+    ap.add_argument("--phase-variants", nargs="*", default=[],
                     help="variants that also get the phase breakdown (besides fsdp2 and fs_apply)")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
