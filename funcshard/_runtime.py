@@ -484,15 +484,21 @@ class Step:
             tensors = [output] if output.requires_grad else []
         else:
             tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+        # A group without trainable parameters has no gather node in the graph to keep the step alive until its
+        # backward (when no group has, e.g. a frozen model differentiated for its input): its hooks hold the
+        # step themselves (made per call, not kept by the step: no reference cycle).
+        strong = not self.groups[name].trainable
         if len(tensors) == 1:
-            tensors[0].register_hook(self._pre_backward_hooks[name])
+            tensors[0].register_hook(_pre_backward_hook(self, name, strong=True) if strong
+                                     else self._pre_backward_hooks[name])
         elif tensors and _single_grad_level():
             # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
-            hook = _pre_backward_hook(self, name, once=True)
+            hook = _pre_backward_hook(self, name, once=True, strong=strong)
             for t in tensors:
                 t.register_hook(hook)
         elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hooks[name], mode="any")
+            hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     # ---- backward --------------------------------------------------------------------------------
@@ -818,11 +824,12 @@ def _preserve_versions(tensors):
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
 
 
-def _pre_backward_hook(step: Step, name: str, once: bool = False):
+def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
     # Weakly held: the step keeps its hooks, and a strong reference back would make every step a reference
     # cycle that outlives its process group until the garbage collector runs (gloo aborts on exit then).
-    # The autograd graph keeps the step alive through its _GroupGather nodes while a backward can come.
-    ref = weakref.ref(step)
+    # The autograd graph keeps the step alive through its _GroupGather nodes while a backward can come;
+    # ``strong``: a hook the step does not keep holds it (for a group without such a node).
+    ref = (lambda: step) if strong else weakref.ref(step)
     fired = [None]  # the backward (graph task) in which a once-per-call hook last fired
 
     def hook(grad):

@@ -428,6 +428,39 @@ def test_frozen_shards_under_autograd():
     assert run_ranks(2, _frozen_shards) == [True, True]
 
 
+def _frozen_model_input_grad():
+    """A frozen model differentiated for its input (prompt tuning, input attribution): every group frozen."""
+    import gc
+
+    from funcshard._runtime import Step
+
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    with torch.inference_mode():  # (inference tensors too: the state never takes a gradient)
+        inference_state = funcshard.shard(plan)
+    out = []
+    for state in (funcshard.shard(plan), inference_state):
+        x = torch.randn(4, 7)
+        full = funcshard.gather(plan, state)
+        ref = torch.func.grad(lambda x: torch.func.functional_call(model, full, (x,)).square().sum())(x)
+        loss = lambda x: funcshard.apply(plan, state, x).square().sum()  # noqa: E731
+        xb = x.clone().requires_grad_()
+        loss(xb).backward()
+        grads = [xb.grad, funcshard.value_and_grad(loss)(x)[1], torch.func.grad(loss)(x)]
+        out.append([torch.allclose(g, ref, atol=1e-5) for g in grads])
+    gc.collect()
+    return out, sum(isinstance(o, Step) and o.plan is plan for o in gc.get_objects())
+
+
+def test_input_gradient_of_a_frozen_model():
+    """With no trainable group, no gather node keeps the step alive for backward: it used to be collected after
+    forward and the backward read freed parameters ('setStorage ... out of bounds for storage of size 0')."""
+    for checks, steps_alive in run_ranks(2, _frozen_model_input_grad):
+        assert checks == [[True] * 3] * 2, checks
+        assert steps_alive == 0
+
+
 def _frozen_edited_in_place():
     torch.manual_seed(0)
     model = MLP(layers=2)
