@@ -408,6 +408,13 @@ def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], gr
     return layout.views(bases)
 
 
+def jvp_of_gather(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
+    """The forward-mode rule of a gather: the gather of the tangents, None for an integer parameter (its output
+    is not differentiable)."""
+    out = gather_tangents(layout, tangents, group, rank)
+    return tuple(o if s.dtype.is_floating_point or s.dtype.is_complex else None for o, s in zip(out, layout.specs))
+
+
 def _per_param_grad_copies(spec: ShardSpec, dst: torch.Tensor, g: torch.Tensor, dsts: list, srcs: list) -> None:
     """Copies that lay a full gradient out as ``dst`` ``(world, *local_shape)``; padding stays zero."""
     g = g.reshape(spec.sharded_shape)

@@ -46,7 +46,7 @@ from funcshard._collectives import (
     check_backward_transforms,
     check_batched_grads,
     free_buffers,
-    gather_tangents,
+    jvp_of_gather,
     no_functorch,
     no_grad,
     raw_grads,
@@ -1043,7 +1043,7 @@ class _GroupGather(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _step, _name, _token, *tangents):
         # The tangent of a gather is the gather of the tangents (forward mode keeps nothing for later).
-        return gather_tangents(ctx.step.groups[ctx.name].layout, tangents, ctx.step.pg, ctx.step.rank)
+        return jvp_of_gather(ctx.step.groups[ctx.name].layout, tangents, ctx.step.pg, ctx.step.rank)
 
 
 def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:

@@ -11,6 +11,7 @@ from funcshard._collectives import (
     check_backward_transforms,
     check_transforms,
     gather_tangents,
+    jvp_of_gather,
     no_functorch,
     raw,
     reduce_scatter_grads,
@@ -129,7 +130,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _layout, _pg, _rank, *tangents):
-        return gather_tangents(ctx.layout, tangents, ctx.pg, ctx.rank)
+        return jvp_of_gather(ctx.layout, tangents, ctx.pg, ctx.rank)
 
     @staticmethod
     def vmap(info, in_dims, *args):

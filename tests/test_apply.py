@@ -358,12 +358,22 @@ def _vjp_and_jvp():
     full_p = funcshard.gather(plan, state)
     full_t = funcshard.gather(plan, tangents)
     _, ref = torch.func.jvp(lambda p: torch.func.functional_call(model, p, (x,)), (full_p,), (full_t,))
-    return ok, torch.allclose(jvp_out, ref, atol=1e-6)
+    # an integer parameter in a group (closed over: it has no tangent) gets none from the gather's jvp (it was
+    # "jvp returned a gradient at position 0, but the corresponding forward output is not differentiable")
+    model.blocks[0].register_parameter("ids", nn.Parameter(torch.arange(5), requires_grad=False))
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    ints = {"blocks.0.ids": state.pop("blocks.0.ids")}
+    tangents = {k: t for k, t in tangents.items() if k in state}
+    _, jvp_int = torch.func.jvp(lambda s: funcshard.apply(plan, {**s, **ints}, x), (state,), (tangents,))
+    _, gathered = torch.func.jvp(lambda s: funcshard.gather(plan, {**s, **ints}), (state,), (tangents,))
+    with_int = torch.allclose(jvp_int, ref, atol=1e-6) and gathered.keys() == full_t.keys() | {"blocks.0.ids"}
+    return ok, torch.allclose(jvp_out, ref, atol=1e-6), with_int
 
 
 def test_vjp_and_jvp():
     """vjp equals grad; jvp through apply equals the unsharded jvp (tangent of gather = gather of tangents)."""
-    assert run_ranks(2, _vjp_and_jvp) == [(True, True)] * 2
+    assert run_ranks(2, _vjp_and_jvp) == [(True, True, True)] * 2
 
 
 def _apply_errors():
