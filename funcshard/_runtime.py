@@ -70,7 +70,7 @@ class _GroupRuntime:
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "views", "status",
                  "pending", "slots", "originals", "fwd_started", "fwd_done", "swapped", "frozen", "versions", "rest",
                  "trainable", "uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters", "fused", "hooked",
-                 "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran", "node")
+                 "views_grad", "task", "expect", "grads", "got", "grad_shards", "ran", "node", "reentrant")
 
     def __init__(self, plan: Plan, group: Group, layout: Buckets, slots: list, state: dict[str, torch.Tensor]):
         self.group = group
@@ -120,6 +120,7 @@ class _GroupRuntime:
         self.got = 0
         self.grad_shards: list | None = None
         self.ran: list[bool] | None = None  # which hooked views received a gradient in the last backward
+        self.reentrant = False  # recomputed by reentrant checkpointing (gathered anew by each backward)
 
 
 def _slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -340,10 +341,10 @@ class Step:
             self._gather_node(name, token)
         return gr.views
 
-    def _gather_node(self, name: str, token: torch.Tensor | None, in_backward: bool = False) -> None:
+    def _gather_node(self, name: str, token: torch.Tensor | None, count: bool = True) -> None:
         """The group's unsharded parameters as outputs of a new _GroupGather node (its backward runs the
-        group's post-backward), from the gathered buffers. ``in_backward``: made for a recomputation inside
-        backward, whose own (nested) backward runs the node."""
+        group's post-backward), from the gathered buffers. ``count``: a new post-backward to wait for (not when
+        the node replaces one that died unused)."""
         gr = self.groups[name]
         shards = map(_unwrap_if_dead, [self.state[p] for p in gr.group.params])
         if _no_saved_hooks():  # autograd saves the outputs plainly
@@ -355,10 +356,9 @@ class Step:
         if node is not None:
             gr.node = weakref.ref(node)
             node.register_prehook(self._take_grads_hooks[name])
-            if in_backward:
-                node.in_backward = True  # (the node is the Function's context: _GroupGather.backward reads it)
-            gr.nodes += 1  # this gather's node runs the group's post-backward once
-            gr.nodes_left += 1
+            if count:
+                gr.nodes += 1  # this gather's node runs the group's post-backward once
+                gr.nodes_left += 1
 
     def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
         """The group's parameters as views of its _StepGather outputs, each with the gradient hook that
@@ -507,10 +507,16 @@ class Step:
         a later forward must not take this step's hooks for recomputation)."""
         return self.backward_started and torch._C._current_graph_task_id() == self.backward_task
 
-    def recompute(self, name: str) -> None:
-        """The group's forward runs again inside backward (activation checkpointing)."""
-        if torch.is_grad_enabled() and not self.groups[name].views_grad:  # reentrant: the forward had no grad
+    def recompute(self, name: str, args: tuple = ()) -> None:
+        """The group's forward runs again inside backward (activation checkpointing), on ``args``."""
+        gr = self.groups[name]
+        if torch.is_grad_enabled() and (gr.reentrant or not gr.views_grad):  # reentrant: the forward had no grad
             self.gather_in_backward(name)
+            if not gr.trainable:  # no post-backward frees it: once its inputs' gradients are done
+                inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+                if inputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda _g, step=weakref.ref(self): (s := step()) and s._recomputed(name))
         else:  # the group's pre-backward gathered it
             self.wait(name)
             self.swap_in(name)
@@ -532,7 +538,7 @@ class Step:
             # inside the group's forward ran them under no_grad). Its recomputation uses these, and the backward
             # the checkpoint runs on the recomputed graph reaches their node (the group's post-backward).
             with torch.enable_grad():
-                self._gather_node(name, None, in_backward=True)
+                self._gather_node(name, None, count=False)  # (the forward's node was counted)
         self.swap_in(name)  # activation-checkpoint recomputation reads the module's attributes
         self.prefetch(name, backward=True)
 
@@ -545,15 +551,19 @@ class Step:
         gradients."""
         gr = self.groups[name]
         self._begin_backward()
-        self.unshard(name)
+        Step.unshard(self, name)  # (the forward reads the parameters, whatever a subclass skips in backward)
         self.wait(name)
         self.prefetch(name, backward=True)
         self.swap_out(name)
         if gr.shards:
             with torch.enable_grad():
-                self._gather_node(name, None, in_backward=True)
-        gr.views_grad = True
+                self._gather_node(name, None)
+        gr.views_grad = gr.reentrant = True
         self.swap_in(name)
+
+    def _recomputed(self, name: str) -> None:
+        """A group without trainable parameters recomputed reentrantly: its nested backward is done."""
+        self.reshard(name)
 
     def post_backward(self, name: str, grads: list) -> list[torch.Tensor]:
         """Free the group, then reduce-scatter its full gradients (consumes ``grads``): FSDP2's order, so that
@@ -717,7 +727,8 @@ class Step:
                 gr.hooked = tuple(None if v is None else weakref.ref(v) for v in gr.hooked)
                 gr.views = gr.fused = None
         self.backward_started = False
-        _remove(self.hook_handles)
+        if not any(gr.reentrant for gr in self.groups.values()):
+            _remove(self.hook_handles)  # (a reentrant recomputation runs them again in a later backward)
 
     # ---- the whole forward -----------------------------------------------------------------------
     def run(self, args: tuple, kwargs: dict) -> Any:
@@ -881,7 +892,13 @@ def _make_pre_hook(step: Step, name: str):
             step.swap_in(name)
             return step.watch_inputs(name, args)
         elif step.recomputing():  # activation-checkpoint recomputation during this step's backward
-            step.recompute(name)
+            step.recompute(name, args)
+        elif step.backward_started and torch._C._current_graph_task_id() != -1:
+            raise NotImplementedError(
+                f"group {name!r} is recomputed inside a nested backward (an activation checkpoint inside a "
+                f"reentrant one: torch.utils.checkpoint(..., use_reentrant=True) runs a backward of its own); "
+                f"funcshard.apply supports reentrant checkpointing around or over whole groups, not nested in "
+                f"another checkpointed region: use use_reentrant=False for the outer one")
 
     return pre_hook
 
@@ -1023,14 +1040,6 @@ class _GroupGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         step = ctx.step
-        if (step.backward_started and torch._C._current_graph_task_id() != step.backward_task
-                and not getattr(ctx, "in_backward", False)):
-            raise NotImplementedError(
-                f"group {ctx.name!r}: part of its forward ran inside a reentrant activation-checkpoint region "
-                f"(torch.utils.checkpoint(..., use_reentrant=True)) and part outside it, so the backward that "
-                f"the checkpoint runs on its recomputation reached the gradients of the whole group's "
-                f"parameters half-way through the step's backward. Reentrant checkpointing is supported around "
-                f"whole groups (or a group's whole forward); use use_reentrant=False here")
         grads = step.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
         if torch.is_grad_enabled():  # a backward with create_graph=True

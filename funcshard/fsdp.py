@@ -403,6 +403,10 @@ class _Step(Step):
         if self.ctx.by_group[name].reshard_after_backward:
             super()._release_frozen(name)
 
+    def _recomputed(self, name: str) -> None:
+        if self.ctx.by_group[name].reshard_after_backward:
+            super()._recomputed(name)
+
     def _grads_done(self, name: str) -> None:
         if self.ctx.by_group[name].reshard_after_backward or self.groups[name].frozen:
             super()._grads_done(name)  # (frozen: counted; freed only with reshard_after_backward)
@@ -444,7 +448,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     name = unit.group
     if _in_backward():  # activation-checkpoint recomputation
         if name is not None and (step := ctx.step) is not None:
-            step.recompute(name)
+            step.recompute(name, args)
         return None
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic

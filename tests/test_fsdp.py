@@ -346,7 +346,14 @@ def _reentrant(kind, **kw):
         if kind == "frozen":  # LoRA-style, as Hugging Face PEFT trains with gradient checkpointing
             for b in model.blocks:
                 b.l1.weight.requires_grad_(False)
-        return _fit(_nested(fs, model, mesh, **kw))
+        if kind == "frozen_blocks":  # a unit without trainable parameters: freed by its inputs' gradients
+            model.blocks[1].requires_grad_(False)
+        model = _nested(fs, model, mesh, **kw)
+        if kind == "no_unshard_in_backward":  # the recomputation reads the parameters all the same
+            for b in model.blocks:
+                b.set_unshard_in_backward(False)
+        loss = (lambda p, y: _twice(F.mse_loss(p, y))) if kind == "retained" else F.mse_loss
+        return _fit(model, loss=loss)
 
     return run
 
@@ -427,6 +434,9 @@ SCENARIOS = {
     "reentrant_checkpointing_no_reshard": _reentrant("around", reshard_after_forward=False),
     "reentrant_checkpointing_frozen_weights": _reentrant("frozen"),
     "reentrant_checkpointing_inside_unit": _reentrant("inside"),
+    "reentrant_checkpointing_retained_graph": _reentrant("retained"),
+    "reentrant_checkpointing_frozen_unit": _reentrant("frozen_blocks"),
+    "reentrant_checkpointing_no_unshard_in_backward": _reentrant("no_unshard_in_backward"),
     "register_fsdp_forward_method": _forward_method,
     "blocks_only_no_root": _blocks_only,
     "two_forwards_one_backward": _two_forwards,
@@ -487,7 +497,9 @@ def test_reentrant_checkpointing():
     """torch.utils.checkpoint(use_reentrant=True) around or inside units, as FSDP2 trains it (it raised
     NotImplementedError around a unit, a DTensor/Tensor mix error inside one)."""
     _check(2, ["reentrant_checkpointing", "reentrant_checkpointing_no_reshard",
-               "reentrant_checkpointing_frozen_weights", "reentrant_checkpointing_inside_unit"])
+               "reentrant_checkpointing_frozen_weights", "reentrant_checkpointing_inside_unit",
+               "reentrant_checkpointing_retained_graph", "reentrant_checkpointing_frozen_unit",
+               "reentrant_checkpointing_no_unshard_in_backward"])
 
 
 def _steps_left_alive():
