@@ -483,21 +483,23 @@ class Step:
         if isinstance(output, torch.Tensor):  # (the usual case, without a pytree walk)
             tensors = [output] if output.requires_grad else []
         else:
-            tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+            tensors = _grad_inputs(output)
+        if not tensors:
+            return output
         # A group without trainable parameters has no gather node in the graph to keep the step alive until its
         # backward (when no group has, e.g. a frozen model differentiated for its input): its hooks hold the
         # step themselves (made per call, not kept by the step: no reference cycle).
         strong = not self.groups[name].trainable
-        if len(tensors) == 1:
-            tensors[0].register_hook(_pre_backward_hook(self, name, strong=True) if strong
-                                     else self._pre_backward_hooks[name])
-        elif tensors and _single_grad_level():
+        if len(tensors) > 1 and _single_grad_level():
             # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
             hook = _pre_backward_hook(self, name, once=True, strong=strong)
             for t in tensors:
                 t.register_hook(hook)
-        elif tensors:
-            hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+            return output
+        hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+        if len(tensors) == 1:
+            tensors[0].register_hook(hook)
+        else:
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
@@ -513,7 +515,7 @@ class Step:
         if torch.is_grad_enabled() and (gr.reentrant or not gr.views_grad):  # reentrant: the forward had no grad
             self.gather_in_backward(name)
             if not gr.trainable:  # no post-backward frees it: once its inputs' gradients are done
-                inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+                inputs = _grad_inputs(args)
                 if inputs:
                     torch.autograd.graph.register_multi_grad_hook(
                         inputs, lambda _g, step=weakref.ref(self): (s := step()) and s._recomputed(name))
@@ -661,7 +663,7 @@ class Step:
         gr = self.groups[name]
         if not gr.frozen or not torch.is_grad_enabled():
             return None
-        inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        inputs = _grad_inputs(args)
         if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
             gr.unwatched = True
             return None
@@ -833,6 +835,11 @@ def _preserve_versions(tensors):
     if any(t.is_inference() for t in tensors):
         return contextlib.nullcontext()
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+
+
+def _grad_inputs(args: Any) -> list[torch.Tensor]:
+    """The tensors in ``args`` (any pytree) that require grad."""
+    return [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
 def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
