@@ -14,13 +14,13 @@ gloo, the collective runs on gloo's threads while Python continues, and ``wait()
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
+from funcshard._schedule import bucket_sizes
 from funcshard._spec import ShardSpec
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce"]
@@ -277,13 +277,10 @@ class Buckets:
         self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
         self.dim0 = {dt: not self.flat and all(self.specs[i].dim == 0 for i in ix) for dt, ix in self.buckets}
-        if self.flat:  # every rank's slice of the flat buffer has the same length, padding at the end
-            self.chunk = {dt: math.ceil(self.specs[ix[0]].flat.total / self.world) for dt, ix in self.buckets}
-            self.has_padding = {dt: self.chunk[dt] * self.world != self.specs[ix[0]].flat.total
-                                for dt, ix in self.buckets}
-        else:
-            self.chunk = {dt: sum(self.numels[dt]) for dt, _ in self.buckets}
-            self.has_padding = {dt: any(self.specs[i].padding for i in ix) for dt, ix in self.buckets}
+        # elements per rank of each bucket's collective, and whether padding is among them (the schedule's sizes)
+        sizes = bucket_sizes([self.specs[i] for _, ix in self.buckets for i in ix])
+        self.chunk = {dt: n for dt, (n, _) in sizes.items()}
+        self.has_padding = {dt: pad for dt, (_, pad) in sizes.items()}
         # this rank's gradient shards, consecutive in the reduce-scatter output (flat layout: the parameters'
         # pieces of this rank's slice), as meta tensors for one-call views of it (torch's unflatten_dense_tensors;
         # a Python loop of views costs ~3 us a parameter)

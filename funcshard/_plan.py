@@ -8,7 +8,6 @@ forward, prefetch depth, explicit prefetch lists, gradient divide factor. The ru
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from funcshard._schedule import label, schedule
 from funcshard._spec import FlatSlot, ShardingError, ShardSpec
 
 __all__ = ["Group", "Plan", "plan"]
@@ -146,38 +146,7 @@ class Plan:
     def collective_order(self) -> list[str]:
         """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group
         and dtype), as the runtime issues them with this schedule when modules run in plan order."""
-        ops: list[str] = []
-        gathered: set[str] = set()
-
-        empty = {g.name for g in self.groups if not g.params}
-
-        def ag(name: str, why: str) -> None:
-            if name not in gathered and name not in empty:
-                gathered.add(name)
-                ops.append(f"all-gather {_label(name)}{why}")
-
-        for g in self.groups:
-            ag(g.name, "")
-            for p in self.prefetch_after(g.name):
-                ag(p, f" (prefetch, while {_label(g.name)} computes)")
-            if g.reshard_after_forward and not g.is_root and g.name not in empty:
-                gathered.discard(g.name)
-                ops.append(f"free {_label(g.name)}")
-        root = self.groups[0]
-        if root.reshard_after_forward:
-            gathered.discard(root.name)
-            ops.append(f"free {_label(root.name)}")
-        ops.append("-- backward --")
-        for g in (root, *reversed(self.groups[1:])):
-            ag(g.name, "" if g.is_root else " (before its backward)")
-            for p in self.prefetch_after(g.name, backward=True):
-                ag(p, f" (prefetch, while {_label(g.name)} computes)")
-            if not g.is_root and g.name not in empty:
-                ops.append(f"reduce-scatter {_label(g.name)}, free it")
-                gathered.discard(g.name)
-        if root.name not in empty:
-            ops.append(f"reduce-scatter {_label(root.name)}, free it")
-        return ops
+        return schedule(self).lines()
 
     def __str__(self) -> str:
         lines = [
@@ -186,25 +155,21 @@ class Plan:
             f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
             f"gradients divided by {self.divide_factor:g} after reduce-scatter; layout {self.layout}",
         ]
+        step = schedule(self)
         for g in self.groups:
-            nbytes = sum(_nbytes(self.specs[p]) for p in g.params)
+            nbytes = step.unsharded_nbytes(g.name)
             dtypes = sorted({str(self.specs[p].dtype).removeprefix("torch.") for p in g.params})
             lines.append(
-                f"  group {_label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
+                f"  group {label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
                 f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}"
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
         lines.append("  one step:")
-        lines.extend(f"    {i:>3}. {op}" for i, op in enumerate(self.collective_order(), 1))
+        lines.extend(f"    {i:>3}. {op}" for i, op in enumerate(step.lines(), 1))
+        totals = step.totals()
+        lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
+                     f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)")
         return "\n".join(lines)
-
-
-def _label(name: str) -> str:
-    return "<root>" if name == ROOT else name
-
-
-def _nbytes(spec: ShardSpec) -> int:
-    return (spec.numel if spec.flat else math.prod(spec.padded_shape)) * spec.dtype.itemsize
 
 
 # ---- building a plan ---------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""One training step's collectives as data: their order, and the elements and bytes each one moves.
+
+The only place that computes them. ``Plan.collective_order()`` prints :meth:`Schedule.lines`, ``Plan.__str__``
+takes its group sizes from here, and the runtime's bucket layouts (``_collectives.Buckets``) size their
+all-gathers and reduce-scatters with :func:`bucket_sizes`, the function the schedule sizes them with.
+
+The order is the one the runtime issues when the groups' modules run in plan order: forward, each group gathered
+when it starts (or earlier, by a prefetch), freed after its forward if it reshards; backward, in reverse, each
+group gathered before its backward, reduce-scattered and freed after it; the root group last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from funcshard._spec import ShardSpec
+
+if TYPE_CHECKING:
+    from funcshard._plan import Plan
+
+__all__ = ["Collective", "Op", "Schedule", "bucket_sizes", "schedule"]
+
+ALL_GATHER = "all-gather"
+REDUCE_SCATTER = "reduce-scatter"
+FREE = "free"
+BACKWARD = "-- backward --"  # the marker between forward and backward
+
+
+def label(name: str) -> str:
+    """A group's printed name: ``<root>`` for the root group (named ``""``)."""
+    return "<root>" if name == "" else name
+
+
+def bucket_sizes(specs: Sequence[ShardSpec]) -> dict[torch.dtype, tuple[int, bool]]:
+    """Per dtype (in order of first appearance), the size of the group's collective for the parameters ``specs``:
+    ``(elements per rank, whether padding is among them)``. The all-gather's input and the reduce-scatter's output
+    have that many elements, their unsharded buffer ``world`` times as many.
+
+    Per-parameter layout: the concatenation of the parameters' local shards (each padded on its dim). Flat
+    layout: the group's flat buffer of that dtype split evenly, ``ceil(total / world)``, padded at its end."""
+    by_dtype: dict[torch.dtype, list[ShardSpec]] = {}
+    for s in specs:
+        by_dtype.setdefault(s.dtype, []).append(s)
+    out: dict[torch.dtype, tuple[int, bool]] = {}
+    for dt, ss in by_dtype.items():
+        first = ss[0]
+        if first.flat is not None:  # every rank's slice of the flat buffer has the same length
+            chunk = math.ceil(first.flat.total / first.world)
+            out[dt] = (chunk, chunk * first.world != first.flat.total)
+        else:
+            out[dt] = (sum(s.local_numel for s in ss), any(s.padding for s in ss))
+    return out
+
+
+def _unsharded_nbytes(specs: Sequence[ShardSpec]) -> int:
+    """Bytes of the parameters unsharded: padded per parameter (per-parameter layout), unpadded (flat layout)."""
+    return sum((s.numel if s.flat else math.prod(s.padded_shape)) * s.dtype.itemsize for s in specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective as the process group sees it: one group's all-gather or reduce-scatter of one dtype.
+
+    Attributes:
+        kind: ``"all-gather"`` or ``"reduce-scatter"``.
+        group: the group's name (``""``: the root group).
+        dtype: the buffer's dtype.
+        numel: elements per rank: the all-gather's input, the reduce-scatter's output.
+        world: ranks on the mesh axis it runs on.
+        axis: the mesh axis (the plan's shard axis).
+    """
+
+    kind: str
+    group: str
+    dtype: torch.dtype
+    numel: int
+    world: int
+    axis: int
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of the unsharded buffer: the all-gather's output, the reduce-scatter's input."""
+        return self.numel * self.world
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unsharded buffer (the all-gather's output, the reduce-scatter's input)."""
+        return self.full_numel * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One line of a step: a group's all-gather, free or reduce-scatter, or the start of backward.
+
+    Attributes:
+        kind: ``"all-gather"``, ``"reduce-scatter"``, ``"free"`` or ``"-- backward --"`` (group ``None``).
+        group: the group's name (``""``: the root group).
+        why: why it runs then, e.g. ``"prefetch, while blocks.0 computes"`` (``""``: on use).
+        collectives: what the process group runs for it, one per dtype (none for a free, nor for the
+            reduce-scatter of a group without a parameter that takes a gradient).
+    """
+
+    kind: str
+    group: str | None = None
+    why: str = ""
+    collectives: tuple[Collective, ...] = ()
+
+    def line(self) -> str:
+        if self.kind == BACKWARD:
+            return BACKWARD
+        name = label(self.group or "")
+        if self.kind == REDUCE_SCATTER:
+            return f"{REDUCE_SCATTER} {name}, free it"
+        return f"{self.kind} {name}" + (f" ({self.why})" if self.why else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One training step of a plan: its ops in issue order, and each group's unsharded size.
+
+    Attributes:
+        ops: the step's ops in issue order (``Op``).
+        group_nbytes: ``(group name, bytes unsharded)`` per group, in plan order.
+    """
+
+    ops: tuple[Op, ...]
+    group_nbytes: tuple[tuple[str, int], ...]
+
+    def lines(self) -> list[str]:
+        """The step as printed by ``Plan.collective_order()``, one string per op."""
+        return [op.line() for op in self.ops]
+
+    def collectives(self) -> tuple[Collective, ...]:
+        """The communication alone: every collective the process group runs, in issue order."""
+        return tuple(c for op in self.ops for c in op.collectives)
+
+    def totals(self) -> dict[str, int]:
+        """Bytes of the unsharded buffers per kind of collective (``"all-gather"``, ``"reduce-scatter"``)."""
+        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        for c in self.collectives():
+            out[c.kind] += c.nbytes
+        return out
+
+    def unsharded_nbytes(self, group: str) -> int:
+        return dict(self.group_nbytes)[group]
+
+
+_CACHE: weakref.WeakKeyDictionary[Plan, Schedule] = weakref.WeakKeyDictionary()
+
+
+def schedule(plan: Plan) -> Schedule:
+    """The plan's step (made once per plan object: a Plan is immutable, an edited copy gets its own)."""
+    hit = _CACHE.get(plan)
+    if hit is None:
+        hit = _CACHE[plan] = _build(plan)
+    return hit
+
+
+def _collectives(kind: str, name: str, specs: Sequence[ShardSpec]) -> tuple[Collective, ...]:
+    if not specs:
+        return ()
+    world, axis = specs[0].world, specs[0].axis  # (a plan shards every parameter over one axis)
+    return tuple(Collective(kind, name, dt, n, world, axis) for dt, (n, _) in bucket_sizes(specs).items())
+
+
+def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
+    """The parameters a group's reduce-scatter covers, as the runtime picks them: none if none takes a gradient;
+    per-parameter layout, those that take one (a frozen parameter costs no traffic); flat layout, all (every
+    parameter keeps its offset in the flat buffer). Integer dtypes have no gradient. Which parameters take a
+    gradient is the plan's ``requires_grad`` (the module's): the runtime asks the shards it is given, the same
+    unless a caller differentiates with respect to shards of frozen parameters too."""
+    if not any(s.requires_grad for s in specs):
+        return []
+    return [s for s in specs if (s.requires_grad or s.flat is not None)
+            and (s.dtype.is_floating_point or s.dtype.is_complex)]
+
+
+def _build(plan: Plan) -> Schedule:
+    specs = {g.name: [plan.specs[p] for p in g.params] for g in plan.groups}
+    gathers = {n: _collectives(ALL_GATHER, n, ss) for n, ss in specs.items()}
+    reduces = {n: _collectives(REDUCE_SCATTER, n, _reduced(ss)) for n, ss in specs.items()}
+    ops: list[Op] = []
+    gathered: set[str] = set()
+    empty = {g.name for g in plan.groups if not g.params}
+
+    def ag(name: str, why: str) -> None:
+        if name not in gathered and name not in empty:
+            gathered.add(name)
+            ops.append(Op(ALL_GATHER, name, why, gathers[name]))
+
+    for g in plan.groups:
+        ag(g.name, "")
+        for p in plan.prefetch_after(g.name):
+            ag(p, f"prefetch, while {label(g.name)} computes")
+        if g.reshard_after_forward and not g.is_root and g.name not in empty:
+            gathered.discard(g.name)
+            ops.append(Op(FREE, g.name))
+    root = plan.groups[0]
+    if root.reshard_after_forward:
+        gathered.discard(root.name)
+        ops.append(Op(FREE, root.name))
+    ops.append(Op(BACKWARD))
+    for g in (root, *reversed(plan.groups[1:])):
+        ag(g.name, "" if g.is_root else "before its backward")
+        for p in plan.prefetch_after(g.name, backward=True):
+            ag(p, f"prefetch, while {label(g.name)} computes")
+        if not g.is_root and g.name not in empty:
+            ops.append(Op(REDUCE_SCATTER, g.name, "", reduces[g.name]))
+            gathered.discard(g.name)
+    if root.name not in empty:
+        ops.append(Op(REDUCE_SCATTER, root.name, "", reduces[root.name]))
+    return Schedule(tuple(ops), tuple((n, _unsharded_nbytes(ss)) for n, ss in specs.items()))

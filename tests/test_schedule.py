@@ -1,0 +1,163 @@
+"""The schedule (funcshard._schedule) is the one source of a step's collectives: the process group runs exactly
+its collectives, in its order and of its sizes; the printed plan and the runtime's buckets take theirs from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funcshard
+from funcshard._plan import Group, Plan
+from funcshard._schedule import bucket_sizes, schedule
+from funcshard._spec import FlatSlot, ShardSpec
+from models import MLP, Block
+from multirank import run_ranks
+
+
+class IssuedCollectives(TorchDispatchMode):
+    """Records every c10d op at dispatch (what any caller of torch.distributed issues): (kind, dtype, elements
+    per rank, bytes of the unsharded buffer). Kinds in the schedule's words; any other c10d op by its name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, torch.dtype, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d."):
+            full = part = None
+            if "allgather" in name:  # _allgather_base_(output, input, ...): this rank's part is the input
+                kind, full, part = "all-gather", args[0], args[1]
+            elif "reduce_scatter" in name:  # _reduce_scatter_base_(output, input, ...): it is the output
+                kind, full, part = "reduce-scatter", args[1], args[0]
+            if isinstance(full, torch.Tensor):
+                self.calls.append((kind, part.dtype, part.numel(), full.numel() * full.element_size()))
+            else:  # any other c10d op (or a list form): recorded by name, so that it differs from the schedule
+                self.calls.append((name, None, 0, 0))
+        return func(*args, **(kwargs or {}))
+
+
+class _HalfBf16(Block):
+    """A block whose first layer is bf16, its second fp32: its group has one collective per dtype."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.l1.to(torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.l2(F.gelu(self.l1(x.bfloat16())).float())
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":  # blocks of different sizes: each collective's size names its group
+        model, groups = MLP(layers=4), (Block,)
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = Block(6, hidden=5 + 3 * i)
+    elif kind == "no-root":  # every parameter in a child group: the root group is empty
+        model, groups = nn.Sequential(*[nn.Linear(7, 7) for _ in range(5)], nn.Linear(7, 3)), (nn.Linear,)
+    else:  # "mixed": bf16 and fp32 in one group, a frozen weight, a group with nothing trainable, an integer
+        model, groups = MLP(layers=3), (Block,)
+        model.blocks[0] = _HalfBf16(6)
+        model.blocks[1].l1.weight.requires_grad_(False)
+        model.blocks[2].requires_grad_(False)
+        model.inp.register_parameter("count", nn.Parameter(torch.arange(5), requires_grad=False))
+    return model, groups
+
+
+def _step_vs_schedule(depth, reshard, model_kind, layout, lists):
+    model, groups = _model(model_kind)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = funcshard.plan(model, mesh, groups=groups, prefetch=depth, reshard_after_forward=reshard, layout=layout)
+    if lists:  # explicit prefetch lists replace the depth-based default for the groups they name
+        plan = plan.replace(forward_prefetch_lists={"": ("blocks.0", "blocks.1"), "blocks.1": ("blocks.3",)},
+                            backward_prefetch_lists={"blocks.3": ("blocks.1",), "blocks.1": ()})
+    names = dict(model.named_parameters())
+    state = {k: v.requires_grad_(names[k].requires_grad) for k, v in funcshard.shard(plan).items()}
+    trainable = {k: v for k, v in state.items() if v.requires_grad}
+    frozen = {k: v for k, v in state.items() if not v.requires_grad}
+    x = torch.randn(2, 7)
+    with IssuedCollectives() as rec:
+        torch.func.grad(lambda tr: funcshard.apply(plan, {**tr, **frozen}, x).float().square().sum())(trainable)
+    step = schedule(plan)
+    planned = [(c.kind, c.dtype, c.numel, c.nbytes) for c in step.collectives()]
+    per_op = [(op.kind, op.group, len(op.collectives)) for op in step.ops
+              if op.kind in ("all-gather", "reduce-scatter")]
+    return rec.calls, planned, per_op, plan.collective_order(), step.lines(), step.totals()
+
+
+MATRIX = [(0, None, "mlp", "per_param"), (1, None, "mlp", "per_param"), (2, None, "mlp", "per_param"),
+          (1, False, "mlp", "per_param"), (1, True, "mlp", "per_param"), (1, None, "no-root", "per_param"),
+          (1, None, "mlp", "flat"), (0, True, "no-root", "flat"), (0, None, "mlp", "lists"),
+          (1, True, "mlp", "lists")]  # test_apply.py::test_collectives_follow_the_printed_plan's
+
+
+@pytest.mark.parametrize("depth,reshard,kind,layout",
+                         [*MATRIX, (1, None, "mixed", "per_param"), (1, True, "mixed", "flat")])
+def test_issued_collectives_are_the_schedules(depth, reshard, kind, layout):
+    lists = layout == "lists"
+    layout = "per_param" if lists else layout
+    for issued, planned, per_op, printed, lines, totals in run_ranks(2, _step_vs_schedule, depth, reshard, kind,
+                                                                     layout, lists):
+        assert issued == planned  # the same collectives, in the same order, of the same sizes, on every rank
+        assert printed == lines  # Plan.collective_order() is the schedule's
+        assert totals == {k: sum(b for kk, _, _, b in issued if kk == k) for k in ("all-gather", "reduce-scatter")}
+        if kind == "mixed":  # bf16 and fp32 each their own collective; the root's int64 parameter is gathered,
+            # not reduce-scattered; nothing in blocks.2 takes a gradient: no reduce-scatter
+            assert {o for o in per_op if o[1] in ("", "blocks.0", "blocks.2")} == {
+                ("all-gather", "", 2), ("reduce-scatter", "", 1), ("all-gather", "blocks.0", 2),
+                ("reduce-scatter", "blocks.0", 2), ("all-gather", "blocks.2", 1), ("reduce-scatter", "blocks.2", 0)}
+        else:  # one collective per printed all-gather / reduce-scatter (one dtype)
+            assert [n for *_, n in per_op] == [1] * len(per_op) and len(per_op) == len(planned)
+
+
+# ---- pure: sizes from specs alone (no process group) ----------------------------------------------
+
+
+def _spec(fqn, shape, dtype=torch.float32, world=2, requires_grad=True, flat=None):
+    return ShardSpec(fqn, shape, dtype, 0, 0, world, requires_grad=requires_grad, aliases=(fqn,), flat=flat)
+
+
+def test_bucket_sizes_one_collective_per_dtype():
+    w, b, v = _spec("w", (5, 3), torch.bfloat16), _spec("b", (5,)), _spec("v", (4,))
+    # per parameter: the local shards, each padded on its dim: w (3, 3), b (3,), v (2,)
+    assert bucket_sizes([w, b, v]) == {torch.bfloat16: (9, True), torch.float32: (5, True)}
+    assert bucket_sizes([v]) == {torch.float32: (2, False)}
+    # flat: one buffer per dtype split evenly, ceil(total / world)
+    fw, fb, fv = (_spec(s.fqn, s.shape, s.dtype, flat=FlatSlot(off, tot, 0))
+                  for s, off, tot in ((w, 0, 15), (b, 0, 9), (v, 5, 9)))
+    assert bucket_sizes([fw, fb, fv]) == {torch.bfloat16: (8, True), torch.float32: (5, True)}
+    assert bucket_sizes([]) == {}
+
+
+def test_schedule_bytes_of_mixed_dtypes():
+    """A group with bf16 and fp32 parameters: one all-gather per dtype; its reduce-scatter leaves out the frozen
+    and the integer parameters; a group with no trainable parameter is gathered but not reduce-scattered."""
+    specs = [_spec("a.w", (5, 3), torch.bfloat16), _spec("a.b", (5,)), _spec("a.f", (4, 4), requires_grad=False),
+             _spec("a.n", (3,), torch.int64, requires_grad=False), _spec("r.w", (4, 2)),
+             _spec("z.w", (2, 2), requires_grad=False)]
+    plan = Plan(module=nn.Module(), mesh=None, shard_axis=0, specs={s.fqn: s for s in specs},
+                groups=(Group("", ("",), ("r.w",), False), Group("a", ("a",), ("a.w", "a.b", "a.f", "a.n"), True),
+                        Group("z", ("z",), ("z.w",), True)))
+    step = schedule(plan)
+    assert step is schedule(plan)  # made once per plan
+    assert plan.collective_order() == step.lines() == [
+        "all-gather <root>", "all-gather a (prefetch, while <root> computes)", "all-gather z (prefetch, while a "
+        "computes)", "free a", "free z", "-- backward --", "all-gather z (prefetch, while <root> computes)",
+        "all-gather a (prefetch, while z computes)", "reduce-scatter z, free it", "reduce-scatter a, free it",
+        "reduce-scatter <root>, free it"]
+    sizes = {(op.kind, op.group): [(c.dtype, c.numel, c.nbytes) for c in op.collectives] for op in step.ops}
+    f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+    assert sizes[("all-gather", "a")] == [(bf16, 9, 36), (f32, 3 + 8, 88), (i64, 2, 32)]
+    assert sizes[("reduce-scatter", "a")] == [(bf16, 9, 36), (f32, 3, 24)]  # not the frozen a.f, not a.n
+    assert sizes[("reduce-scatter", "z")] == []  # nothing in z takes a gradient
+    assert sizes[("free", "a")] == [] and sizes[("all-gather", "")] == [(f32, 4, 32)]
+    # a and z are gathered again for backward (they reshard after forward), the root once
+    assert step.totals() == {"all-gather": 32 + 2 * (36 + 88 + 32) + 2 * 16, "reduce-scatter": 36 + 24 + 32}
+    assert [c.kind for c in step.collectives()] == ["all-gather"] * 9 + ["reduce-scatter"] * 3
+    assert step.unsharded_nbytes("a") == 6 * 3 * 2 + 6 * 4 + 4 * 4 * 4 + 4 * 8
