@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from funcshard._collectives import check_transforms
-from funcshard._plan import Plan, check_mesh
+from funcshard._mesh import check_mesh
+from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._shard import check_state
 

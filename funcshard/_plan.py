@@ -12,12 +12,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._schedule import label, schedule
-from funcshard._spec import FlatSlot, ShardingError, ShardSpec
+from funcshard._mesh import mesh_str, resolve_mesh
+from funcshard._policy import reshard_after_forward_default
+from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
 
 __all__ = ["Group", "Plan", "plan"]
 
@@ -34,12 +35,20 @@ class Group:
             freed after the last of them has run). The root group's module is the whole model, ``("",)``.
         params: canonical paths of the group's parameters, in module order.
         reshard_after_forward: free the unsharded parameters after forward (gather again for backward).
+        reshard_after_backward: free them after backward (False: the next forward uses them without an
+            all-gather, e.g. during gradient accumulation).
+        unshard_in_backward: gather the group again for its backward (False: its backward reads no parameters,
+            e.g. an embedding's).
+        grad_divide_factor: divide this group's summed gradients by this instead of ``Plan.divide_factor``.
     """
 
     name: str
     modules: tuple[str, ...]
     params: tuple[str, ...]
     reshard_after_forward: bool
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    grad_divide_factor: float | None = None
 
     @property
     def is_root(self) -> bool:
@@ -224,7 +233,7 @@ def plan(
             buffer *is* the parameters (no copy-out, no transient second copy of the group); local shards
             are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
     """
-    mesh = _resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh)
     shard_axis = mesh.ndim - 1
     world = mesh.size(shard_axis)
     named = _canonical_params(module)
@@ -240,30 +249,21 @@ def plan(
                 if not isinstance(chosen, int):
                     chosen = getattr(chosen, "dim", chosen)  # accept DTensor Shard(dim) too
                 dim = int(chosen)
-        ndim = max(p.dim(), 1)
-        if not -ndim <= dim < ndim:
+        lo, hi = dim_range(tuple(p.shape))
+        if not lo <= dim <= hi:
             problems.append(
                 f"  {fqn}: shape {tuple(p.shape)} has no dim {dim}; shard_placement_fn must return a dim in "
-                f"[{-ndim}, {ndim - 1}] (or None for dim 0)"
+                f"[{lo}, {hi}] (or None for dim 0)"
             )
             continue
-        specs[fqn] = ShardSpec(
-            fqn=fqn,
-            shape=tuple(p.shape),
-            dtype=p.dtype,
-            dim=dim % ndim,
-            axis=shard_axis,
-            world=world,
-            requires_grad=p.requires_grad,
-            aliases=tuple(aliases[fqn]),
-        )
+        specs[fqn] = make_spec(fqn, p, dim, axis=shard_axis, world=world, aliases=tuple(aliases[fqn]))
     if problems:
         raise ShardingError(
-            f"cannot shard over mesh {_mesh_str(mesh)}:\n" + "\n".join(problems)
+            f"cannot shard over mesh {mesh_str(mesh)}:\n" + "\n".join(problems)
         )
 
-    root_rsf = False if reshard_after_forward is None else bool(reshard_after_forward)
-    other_rsf = True if reshard_after_forward is None else bool(reshard_after_forward)
+    root_rsf = reshard_after_forward_default(reshard_after_forward, is_root=True)
+    other_rsf = reshard_after_forward_default(reshard_after_forward, is_root=False)
     group_list = _make_groups(module, groups, named, root_rsf, other_rsf)
     if layout == "flat":
         if shard_placement_fn is not None:
@@ -305,54 +305,6 @@ def _flat_specs(specs: dict[str, ShardSpec], groups: Sequence[Group], rank: int)
                 out[p] = dataclasses.replace(specs[p], dim=0, flat=FlatSlot(offset, total, rank))
                 offset += specs[p].numel
     return out
-
-
-def _mesh_str(mesh: DeviceMesh) -> str:
-    names = mesh.mesh_dim_names
-    axes = ", ".join(f"{n}={s}" if n else str(s) for n, s in zip(names or [None] * mesh.ndim, mesh.shape))
-    return f"DeviceMesh({mesh.device_type!r}, shape ({axes}))"
-
-
-def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
-    if mesh is None:
-        if not dist.is_initialized():
-            raise ShardingError(
-                "plan() needs a DeviceMesh, and torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group(...) (or launch with torchrun) first, then pass "
-                "mesh=init_device_mesh(device_type, (world_size,)) or mesh=None for the default group"
-            )
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
-    if not isinstance(mesh, DeviceMesh):
-        raise ShardingError(
-            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one "
-            f"with init_device_mesh(device_type, (world_size,))"
-        )
-    if mesh.ndim != 1:
-        raise ShardingError(
-            f"mesh {_mesh_str(mesh)} has {mesh.ndim} axes; funcshard shards over a 1-D mesh for now "
-            f"(HSDP over a 2-D (replicate, shard) mesh is not built yet): pass mesh[axis_name] for one axis"
-        )
-    check_mesh(mesh)
-    return mesh
-
-
-def check_mesh(mesh: DeviceMesh) -> None:
-    """Raise if ``mesh`` does not match its process group (size) or the group is gone."""
-    axis = mesh.ndim - 1
-    try:
-        pg = mesh.get_group(axis)
-        pg_size = dist.get_world_size(pg)
-    except Exception as e:  # destroyed or never-initialized process group
-        raise ShardingError(
-            f"mesh {_mesh_str(mesh)} has no live process group on axis {axis} ({e}); "
-            f"re-create the mesh (and the plan) after init_process_group"
-        ) from None
-    if pg_size != mesh.size(axis):
-        raise ShardingError(
-            f"mesh {_mesh_str(mesh)} has {mesh.size(axis)} ranks on axis {axis} but its process group has "
-            f"{pg_size}; build the mesh from the current group: init_device_mesh(device_type, ({pg_size},))"
-        )
 
 
 def _canonical_params(module: nn.Module) -> dict[str, dict]:

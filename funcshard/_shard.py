@@ -16,13 +16,15 @@ from funcshard._collectives import (
     raw,
     reduce_scatter_grads,
 )
-from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
+from funcshard._layout import expected_shards, layouts
+from funcshard._mesh import check_mesh, mesh_str
+from funcshard._plan import Plan, module_params
 from funcshard._spec import ShardingError
 
 
 def _fail(plan: Plan, what: str, problems: list[str], fix: str) -> ShardingError:
     shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-    return ShardingError(f"{what} (mesh {_mesh_str(plan.mesh)}):\n" + "\n".join(shown) + f"\n{fix}")
+    return ShardingError(f"{what} (mesh {mesh_str(plan.mesh)}):\n" + "\n".join(shown) + f"\n{fix}")
 
 
 def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "state") -> None:
@@ -32,10 +34,7 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
             f"{what} must be a dict of local shards (what funcshard.shard returns), got {type(state).__name__}"
         )
     # The fast path (every call of apply): one pass comparing each shard with the plan's expectation.
-    expect = plan.__dict__.get("_funcshard_expect")
-    if expect is None:
-        expect = plan.__dict__["_funcshard_expect"] = {k: (torch.Size(s.local_shape), s.dtype)
-                                                       for k, s in plan.specs.items()}
+    expect = expected_shards(plan)
     if len(state) == len(expect):
         device_type, tensor = plan.mesh.device_type, torch.Tensor
         for k, v in state.items():
@@ -151,15 +150,13 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     check_mesh(plan.mesh)
     if not any(torch._C._functorch.is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
         check_transforms("funcshard.gather")
-    from funcshard._runtime import _layouts
-
-    layouts = _layouts(plan)
+    lay = layouts(plan)
     pg = plan.mesh.get_group(plan.shard_axis)
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     out: dict[str, torch.Tensor] = {}
     for g in plan.groups:
         if not g.params:
             continue
-        full = _Gather.apply(layouts[g.name], pg, rank, *[state[p] for p in g.params])
+        full = _Gather.apply(lay[g.name], pg, rank, *[state[p] for p in g.params])
         out.update(zip(g.params, full))
     return out

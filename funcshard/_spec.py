@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["FlatSlot", "ShardSpec", "ShardingError"]
+__all__ = ["FlatSlot", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +158,22 @@ class ShardSpec:
             f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} "
             f"dim {self.dim} over axis {self.axis} -> local {self.local_shape}{pad}{frozen}{tied}"
         )
+
+
+def dim_range(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The dims a parameter of ``shape`` can be sharded on, ``(lowest, highest)``: a 0-dim parameter is sharded as a
+    1-element vector, so -1 and 0 name its one dim."""
+    n = max(len(shape), 1)
+    return -n, n - 1
+
+
+def make_spec(fqn: str, param: torch.Tensor, dim: int, *, axis: int, world: int,
+              aliases: tuple[str, ...] = ()) -> ShardSpec:
+    """The spec of ``param`` sharded on ``dim`` (in ``dim_range``: callers check it and word the error) over
+    ``world`` ranks of mesh axis ``axis``. The one place a parameter becomes a spec, for ``plan`` and ``fully_shard``.
+    """
+    lo, hi = dim_range(tuple(param.shape))
+    if not lo <= dim <= hi:
+        raise ShardingError(f"{fqn}: shape {tuple(param.shape)} has no dim {dim}; pick a dim in [{lo}, {hi}]")
+    return ShardSpec(fqn=fqn, shape=tuple(param.shape), dtype=param.dtype, dim=dim % (hi + 1), axis=axis,
+                     world=world, requires_grad=param.requires_grad, aliases=aliases or (fqn,))

@@ -984,13 +984,15 @@ def _relay_edges():
     state = {k: v.detach().requires_grad_() for k, v in funcshard.shard(plan).items()}
     hook = model.blocks[0].register_forward_hook(lambda m, a, y: FailOnce.apply(y))
     loss = funcshard.apply(plan, state, x).sum()
-    old = next(iter(plan._funcshard_steps))
+    from funcshard._runtime.step import _facts
+
+    old = next(iter(_facts(plan).steps))
     FailOnce.fail = True
     with pytest.raises(RuntimeError, match="transient failure"):
         loss.backward()
     hook.remove()
     funcshard.apply(plan, state, x).sum()  # a new step while the old graph (`loss`) is still alive
-    out["kept"] = [n for n, gr in old.groups.items() if gr.grad_shards is not None]
+    out["kept"] = list(old.relay.shards)  # groups whose reduce-scattered shards the step still holds
     return out
 
 

@@ -515,8 +515,8 @@ def _steps_left_alive():
         for _ in range(3):
             model(_mlp_batch(0)[0]).sum()  # evaluation without no_grad: graphs made, then dropped
         gc.collect()
-        out.append(sum(isinstance(o, Step) and getattr(getattr(o, "ctx", None), "top", None) is not None
-                       and o.ctx.top.modules[0] is model for o in gc.get_objects()))
+        out.append(sum(isinstance(o, Step) and getattr(getattr(o.sink, "ctx", None), "top", None) is not None
+                       and o.sink.ctx.top.modules[0] is model for o in gc.get_objects()))
     return out
 
 

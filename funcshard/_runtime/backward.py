@@ -1,0 +1,195 @@
+"""Backward: the reduce-scatter queue, freeing groups with frozen parameters, and recomputation.
+
+- ``ReduceQueue``: one reduce-scatter in flight at a time. A group's post-backward frees the group first, then
+  takes the reduce-scatter still in flight (so its buffers are gone before this one's are allocated), then issues
+  its own; it is taken in the next group's post-backward, or at the end of backward, and its shards go to a sink
+  (``deliver``), so that it runs while the next group's backward computes (FSDP2 does this on CUDA with its
+  reduce-scatter stream).
+- ``FrozenRelease``: a group with a frozen parameter may still be read by backward ops that do not reach its
+  gather node (the gradient of its input through a frozen weight), so it is freed only once every use's input
+  gradients are done and its post-backward ran for every gather that made autograd history.
+- ``Recompute``: activation checkpointing runs a group's forward again inside backward; reentrant checkpointing
+  (its first run had no grad) gathers the group through a new node, whose post-backward runs in the backward the
+  checkpoint does on the recomputed graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from funcshard._runtime.part import Part
+from funcshard._collectives import no_functorch, raw_grads, start_reduce_scatter
+
+if TYPE_CHECKING:
+    from funcshard._runtime.step import Step
+
+
+class ReduceQueue(Part):
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.item: tuple | None = None  # (group, PendingReduce, divide factor, sink, extra)
+
+    def start(self, name: str, grads: list):
+        """Free the group (``grads_done``), take the reduce-scatter in flight, then issue the group's (consumes
+        ``grads``: each is dropped once copied into the reduce-scatter input)."""
+        step = self.step
+        gb = step.groups[name]
+        raw_grads(grads)
+        step.frozen.grads_done(name)
+        self.finish()
+        with no_functorch():
+            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device)
+
+    def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
+        self.item = (name, pending, factor, sink, extra)
+
+    def _take(self) -> tuple | None:
+        if self.item is None:
+            return None
+        name, pending, factor, sink, extra = self.item
+        self.item = None
+        with no_functorch():
+            return name, pending.finish(factor), sink, extra
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and deliver its shards."""
+        if (taken := self._take()) is not None:
+            name, shards, sink, extra = taken
+            sink.deliver(name, shards, extra)
+
+    def finish_if(self, name: str, extra: Any) -> None:
+        if self.item is not None and self.item[0] == name and self.item[4] == extra:
+            self.finish()
+
+    def drop(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left)."""
+        self._take()
+
+
+class _Counts:
+    __slots__ = ("uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters")
+
+    def __init__(self):
+        self.uses = self.inputs_left = self.nodes = self.nodes_left = 0
+        self.unwatched = False  # a use whose inputs could not be watched: only the end of backward frees it
+        self.counters: list[list[int]] = []  # per watched use: [input gradients to go, inputs]
+
+
+class FrozenRelease(Part):
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.groups = {name: _Counts() for name in step.groups}
+
+    def node_made(self, name: str) -> None:
+        """A gather that made autograd history: one more post-backward to wait for."""
+        c = self.groups[name]
+        c.nodes += 1
+        c.nodes_left += 1
+
+    def watch_inputs(self, name: str, args: tuple) -> tuple | None:
+        """For a group with frozen parameters: free it once the gradients of its forward inputs are complete.
+        Returns new args (or None: unchanged): each input that requires grad is passed on as an alias whose
+        gradient hook counts it, so the group is freed as soon as its own input gradients are done, before the
+        previous group's pre-backward prefetches (FSDP2 puts a Function on the module's inputs for the same
+        reason)."""
+        if not self.step.groups[name].frozen or not torch.is_grad_enabled():
+            return None
+        c = self.groups[name]
+        inputs = grad_inputs(args)
+        if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
+            c.unwatched = True
+            return None
+        c.uses += 1
+        c.inputs_left += 1
+        top = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if len(top) != len(inputs) or any(args[i].layout is not torch.strided or args[i].is_nested for i in top):
+            # inside containers (not rebuilt: the module may fill them) or not aliasable (nested, sparse)
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: self._inputs_done(name), mode="all")
+            return None
+        left = [len(top), len(top)]  # (to go, total): reset at the end of backward for a retained graph
+        c.counters.append(left)
+        ref = weakref.ref(self)
+
+        def done(_grad):
+            left[0] -= 1
+            if left[0] == 0 and (me := ref()) is not None:
+                me._inputs_done(name)
+
+        new = list(args)
+        for i in top:
+            new[i] = torch.ops.aten.alias(args[i])
+            new[i].register_hook(done)
+        return tuple(new)
+
+    def _inputs_done(self, name: str) -> None:
+        self.groups[name].inputs_left -= 1
+        self.release(name)
+
+    def grads_done(self, name: str) -> None:
+        """The group's post-backward ran: free it, unless frozen parameters may still be read by backward ops that
+        do not reach here (then once every use's inputs are done too)."""
+        if not self.step.groups[name].frozen:
+            self.step.free_after_backward(name)
+            return
+        self.groups[name].nodes_left -= 1
+        self.release(name)
+
+    def release(self, name: str) -> None:
+        c = self.groups[name]
+        if c.inputs_left <= 0 and not c.unwatched and (c.nodes_left <= 0 or not self.step.groups[name].trainable):
+            self.step.free_after_backward(name)
+
+    def backward_ended(self, name: str) -> None:
+        """Ready for another backward through a retained graph."""
+        c = self.groups[name]
+        c.inputs_left, c.nodes_left = c.uses, c.nodes
+        for k in c.counters:
+            k[0] = k[1]
+
+
+class Recompute(Part):
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.reentrant: set[str] = set()  # groups recomputed reentrantly (gathered anew by each backward)
+
+    def run(self, name: str, args: tuple = ()) -> None:
+        """The group's forward runs again inside backward (activation checkpointing), on ``args``."""
+        step = self.step
+        if torch.is_grad_enabled() and (name in self.reentrant or not step.nodes.groups[name].views_grad):
+            self.gather(name)  # reentrant: the forward had no grad
+            if not step.groups[name].trainable:  # no post-backward frees it: once its inputs' gradients are done
+                inputs = grad_inputs(args)
+                if inputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda _g, s=weakref.ref(step): (st := s()) and st.free_after_backward(name))
+        else:  # the group's pre-backward gathered it
+            step.wait(name)
+            step.swap_in(name)
+
+    def gather(self, name: str) -> None:
+        """Reentrant checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``): the group's parameters are
+        about to be used with grad enabled inside backward, by a recomputation whose first run recorded no autograd
+        history for them. Gather the group through a new node, so that the backward the checkpoint runs on the
+        recomputed graph runs the group's post-backward (it reduce-scatters and frees the group), as FSDP2's
+        unsharded parameters collect that backward's gradients."""
+        step = self.step
+        step.begin_backward()
+        step.groups[name].issue(step.pg, step.rank)  # (the forward reads them, whatever unshard_in_backward says)
+        step.wait(name)
+        step.prefetcher.after(name, backward=True)
+        step.swap_out(name)
+        if step.groups[name].shards:
+            with torch.enable_grad():
+                step.nodes.gather(name, None)
+        step.nodes.groups[name].views_grad = True
+        self.reentrant.add(name)
+        step.swap_in(name)
+
+
+def grad_inputs(args: Any) -> list[torch.Tensor]:
+    """The tensors in ``args`` (any pytree) that require grad."""
+    return [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -1,0 +1,141 @@
+"""One group's unsharded parameters as raw buffers, and their states: SHARDED -> GATHERING -> GATHERED -> SHARDED.
+
+The buffers (``Buckets.new_buffers``: one padded tensor per parameter, or the flat layout's one per dtype) are
+allocated once per step and freed and refilled in place (``untyped_storage().resize_``), so that autograd's views
+of them stay valid across a reshard, under ``torch.func`` too. Owned invariant: nothing is freed while a collective
+may still write to it (``free`` waits for a gather in flight first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import torch
+
+from funcshard._collectives import Buckets, free_buffers, no_functorch, no_grad, start_gather, unwrapped
+from funcshard._plan import Group
+
+
+class Status(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GroupBuffers:
+    """One group's shards (as given), unsharded buffers, and gather state within a step."""
+
+    __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
+                 "pending", "versions", "frozen", "trainable")
+
+    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
+        self.group = group
+        self.layout = layout
+        self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
+        grad = [t.requires_grad for t in self.shards]
+        # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after the
+        # group's reduce-scatter, so it is freed only once its inputs' gradients are complete too (FrozenRelease).
+        self.frozen = not all(grad)
+        self.trainable = any(grad)
+        # the reduce-scatter's layout: the parameters that take a gradient (decided by the shards, as every rank
+        # sees them; a trainable parameter without a gradient on this rank is sent as zeros, so the ranks agree)
+        self.reduce_layout = layout.only(tuple(i for i, g in enumerate(grad) if g)) if self.frozen else layout
+        self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
+        self.bases: list[torch.Tensor] | None = None  # the raw unsharded buffers
+        self.copy_to: list | None = None  # the copy-out's views of them (Buckets.copy_targets)
+        self.status = Status.SHARDED
+        self.pending = None  # PendingGather while GATHERING
+        self.versions = None  # flat layout: autograd's version counters held while the collective writes
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards[0].device
+
+    def issue(self, pg, rank: int) -> None:
+        """Issue the group's all-gather (async) unless it is gathered or in flight."""
+        if self.status is not Status.SHARDED:
+            return
+        if not self.shards:  # e.g. a root group when every parameter is in a child group
+            self.bases, self.status = [], Status.GATHERED
+            return
+        with no_functorch(), no_grad():
+            flat = self.flat_shards
+            if flat is None:
+                plain = list(map(unwrapped, self.shards))
+                flat = self.layout.flat_shards(plain)
+                if all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy would be stale later)
+                    self.flat_shards = flat
+            if self.layout.flat:  # the all-gather writes straight into the parameters' storage
+                self.allocate()
+                # Autograd may have saved views of these buffers: hide the refill from its version check. The
+                # collective may bump the version from its own thread until waited: restored in wait().
+                self.versions = preserve_versions(self.bases)
+                self.pending = start_gather(self.layout, flat, pg, rank, outs=self.bases)
+            else:
+                self.pending = start_gather(self.layout, flat, pg, rank)
+        self.status = Status.GATHERING
+
+    def allocate(self) -> None:
+        if self.bases is None:
+            self.bases = self.layout.new_buffers(self.device)
+            self.copy_to = self.layout.copy_targets(self.bases)
+        else:  # storage freed by a reshard: allocate it again (autograd's views stay valid)
+            for t in self.bases:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+
+    def wait(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gather and copy out into the buffers."""
+        if self.status is not Status.GATHERING:
+            return
+        with no_functorch(), no_grad():
+            fresh = self.bases is None  # new buffers: nothing can have saved them yet
+            if not self.layout.flat:
+                self.allocate()
+            if fresh:
+                self.pending.finish(self.copy_to)
+            else:  # refilling tensors autograd saved for backward: their version must not change
+                with preserve_versions(self.bases):
+                    self.pending.finish(self.copy_to)
+            if self.versions is not None:
+                self.versions.__exit__(None, None, None)
+                self.versions = None
+        self.pending = None
+        self.status = Status.GATHERED
+
+    def free(self) -> None:
+        """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight."""
+        if self.status is Status.SHARDED:
+            return
+        self.wait()  # never free memory a collective still writes to
+        with no_functorch():
+            free_buffers(self.bases)
+        self.status = Status.SHARDED
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameters as views of the buffers (no autograd history)."""
+        with no_grad():
+            return self.layout.views(self.bases)
+
+    def storageless_views(self) -> tuple[torch.Tensor, ...]:
+        """The unsharded parameters as views of buffers made now and freed at once (storage comes with the group's
+        gathers): the whole-step gather's outputs under torch.func."""
+        with no_functorch(), no_grad():
+            self.bases = self.layout.new_buffers(self.device)
+            self.copy_to = self.layout.copy_targets(self.bases)
+            views = self.layout.views(self.bases)
+            free_buffers(self.bases)
+        return views
+
+    def take_from(self, other: GroupBuffers) -> None:
+        """Take over another step's gathered buffers (no second all-gather); ``other`` becomes SHARDED."""
+        other.wait()
+        self.bases, self.copy_to, self.status = other.bases, other.copy_to, Status.GATHERED
+        other.bases, other.copy_to, other.status = None, None, Status.SHARDED
+
+
+def preserve_versions(tensors):
+    """Hide in-place refills from autograd's version check (inference tensors have no versions)."""
+    if any(t.is_inference() for t in tensors):
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))

@@ -1,0 +1,47 @@
+"""Which groups to gather early, and the order the groups' forwards actually ran in.
+
+Forward: the plan's prefetch (``Plan.prefetch_after``: the next groups in the plan's order, or explicit lists).
+Backward: the groups this forward ran, in reverse of the order they ran in (as FSDP2 records it), unless the
+plan has an explicit backward list for the group. Groups the forward prefetch gathered but the forward never used
+(skipped blocks, another order) are freed when the forward ends, not at the end of backward.
+"""
+
+from __future__ import annotations
+
+from funcshard._plan import ROOT
+from funcshard._runtime.buffers import Status
+from funcshard._runtime.part import Part
+
+
+class Prefetcher(Part):
+    def __init__(self, step):
+        super().__init__(step)
+        self.order: list[str] = []  # the non-root groups in the order their forward first ran
+        self.prefetched: set[str] = set()  # groups gathered early by the forward prefetch, not used yet
+
+    def used(self, name: str) -> None:
+        """The group's forward gathers it now."""
+        if name != ROOT and name not in self.order:
+            self.order.append(name)
+        self.prefetched.discard(name)
+
+    def after(self, name: str, *, backward: bool) -> None:
+        """Issue the all-gathers of the groups to prefetch when group ``name`` starts."""
+        step = self.step
+        plan = step.plan
+        if backward and self.order and name not in plan.backward_prefetch_lists:
+            ran = self.order[::-1]
+            i = ran.index(name) + 1 if name in ran else 0
+            others = ran[i : i + plan.backward_prefetch]
+        else:
+            others = plan.prefetch_after(name, backward=backward)
+        for other in others:
+            if not backward and step.groups[other].status is Status.SHARDED:
+                self.prefetched.add(other)
+            step.unshard(other)
+
+    def unused(self) -> list[str]:
+        """At the end of forward: the groups prefetched but never used (the caller frees them)."""
+        out = list(self.prefetched)
+        self.prefetched.clear()
+        return out

@@ -1,0 +1,453 @@
+"""The Step: one forward/backward of a Plan, composed of parts that each own one job.
+
+    buffers.GroupBuffers    a group's unsharded buffers and gather state (SHARDED -> GATHERING -> GATHERED)
+    binding.Binding         which tensor each parameter slot of the module holds (swap in / out, placeholders)
+    binding.ForwardTracker  when a group's forward pass starts and ends (groups of one or several modules)
+    prefetch.Prefetcher     which groups to gather early; the order the forwards ran in
+    strategies.Nodes/Relay/Fused   how a group's gather enters autograd (plain, relayed, whole-step)
+    backward.ReduceQueue    the reduce-scatter in flight and where its shards go
+    backward.FrozenRelease  when a group with frozen parameters may be freed in backward
+    backward.Recompute      activation-checkpoint recomputation inside backward
+
+The Step itself routes module hooks and autograd hooks to them, and ``run`` drives ``apply``'s forward.
+``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``module_pre_forward`` /
+``module_post_forward`` / ``end_forward``) and receives gradients through a sink.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from funcshard._collectives import no_functorch, raw_grads
+from funcshard._layout import layouts
+from funcshard._plan import ROOT, Plan
+from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
+from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, slots
+from funcshard._runtime.buffers import GroupBuffers, Status
+from funcshard._runtime.prefetch import Prefetcher
+from funcshard._runtime.strategies import Fused, Nodes, Relay
+
+_graph_task_id = torch._C._current_graph_task_id
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
+class _PlanFacts:
+    """What every step of one plan needs, computed once (kept beside the plan: a Plan is frozen data)."""
+
+    def __init__(self, plan: Plan):
+        self.slots = {g.name: slots(plan, g) for g in plan.groups}
+        self.placeholders = {g.name: [NotGathered(plan.specs[g.params[i]], g.name) for _, _, i in self.slots[g.name]]
+                             for g in plan.groups}
+        self.members = {g.name: frozenset(id(plan.module.get_submodule(m)) for m in g.modules) for g in plan.groups}
+        self.steps: weakref.WeakSet = weakref.WeakSet()  # apply's steps (a backward that raised is finished later)
+        self.order_warned = False
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _facts(plan: Plan) -> _PlanFacts:
+    hit = _FACTS.get(plan)
+    if hit is None:
+        hit = _FACTS[plan] = _PlanFacts(plan)
+    return hit
+
+
+class Step:
+    """One forward/backward of ``plan`` over ``state`` (the local shards, as given).
+
+    ``sink``: where deferred reduce-scatters deliver the shards (``collect(name, grads) -> (grads | None, extra)``
+    and ``deliver(name, shards, extra)``); None: ``apply``'s own paths (relays, or shards returned to autograd).
+    ``recompute_nested``: recompute a group inside any backward (``fully_shard``), not only this step's.
+    """
+
+    def __init__(self, plan: Plan, state: dict[str, torch.Tensor], *, sink: Any = None,
+                 recompute_nested: bool = False):
+        self.plan = plan
+        self.pg = plan.mesh.get_group(plan.shard_axis)
+        self.rank = plan.mesh.get_local_rank(plan.shard_axis)
+        self.state = state
+        self.sink = sink
+        self.recompute_nested = recompute_nested
+        facts = self.facts = _facts(plan)
+        lay = layouts(plan)
+        self.groups = {g.name: GroupBuffers(g, lay[g.name], state) for g in plan.groups}
+        self.binding = Binding(plan, facts.slots)
+        self.tracker = ForwardTracker(facts.members)
+        self.prefetcher = Prefetcher(self)
+        self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)
+        self.reduce_queue, self.frozen, self.recompute = ReduceQueue(self), FrozenRelease(self), Recompute(self)
+        self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
+        self.fused_on = False  # run(): one _StepGather for the step (under a torch.func grad transform)
+        self.in_forward = False
+        self.backward_started = False
+        self.backward_task = -1
+        self.graph = False  # a forward of this step recorded autograd history
+        self.done = False  # a backward of this step completed
+        self.hook_handles: list = []
+
+    # ---- the group lifecycle (every gather and free goes through these) ----------------------------------------
+    def unshard(self, name: str) -> None:
+        """Issue the group's all-gather (async) unless it is gathered or in flight."""
+        if self.backward_started and not self.groups[name].group.unshard_in_backward:
+            return  # the user promised its backward reads no parameters (set_unshard_in_backward(False))
+        self.groups[name].issue(self.pg, self.rank)
+
+    def wait(self, name: str) -> None:
+        gb = self.groups[name]
+        if gb.status is Status.SHARDED:
+            self.unshard(name)
+        gb.wait()
+
+    def reshard(self, name: str) -> None:
+        """Free the group's unsharded parameters (the module never keeps views of freed storage)."""
+        self.binding.swap_out(name)
+        self.groups[name].free()
+
+    def free_after_backward(self, name: str) -> None:
+        if self.groups[name].group.reshard_after_backward:
+            self.reshard(name)
+
+    def release(self, name: str) -> None:
+        """Free the group and put the module's own parameters back (outside forward and backward)."""
+        self.reshard(name)
+        self.binding.swap_out(name)
+        self.nodes.loosen(name)
+
+    def swap_in(self, name: str) -> None:
+        b = self.binding.groups[name]
+        if not b.swapped and b.views is None and self.nodes.saved_views(name) is None:
+            return
+        self.binding.swap_in(name)
+
+    def swap_out(self, name: str) -> None:
+        self.binding.swap_out(name)
+
+    def register_unsharded(self, name: str) -> None:
+        """Put the gathered (unpadded) parameters on the module, outside autograd (``unshard()``)."""
+        gb = self.groups[name]
+        if gb.status is Status.GATHERED and not self.binding.groups[name].swapped:
+            self.binding.groups[name].views, self.nodes.groups[name].node = gb.views(), None
+            self.swap_in(name)
+
+    def carry_over(self, old: Step) -> None:
+        """Groups the last step left gathered (the root after forward, reshard_after_backward=False, unshard())
+        move to this step without a second all-gather once that step's graph is done with them."""
+        old.reduce_queue.drop()  # a backward that raised half-way: its gradients are not delivered
+        reuse = old.done or not old.graph
+        for name, gb in old.groups.items():
+            if reuse and gb.status is not Status.SHARDED and name in self.groups:
+                swapped = old.binding.groups[name].swapped
+                old.swap_out(name)
+                self.groups[name].take_from(gb)
+                old.binding.groups[name].views = None
+                if swapped:
+                    self.register_unsharded(name)
+            else:
+                old.release(name)
+
+    def abandon(self) -> None:
+        """After a forward or backward raised: drop what is in flight, free every group."""
+        self.reduce_queue.drop()
+        for name in self.groups:
+            self.release(name)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.in_forward = True
+
+    def module_pre_forward(self, name: str, module: Any, args: tuple) -> tuple | None:
+        """A module of group ``name`` starts its forward. Returns new args (or None: unchanged)."""
+        if self.in_forward:
+            first = name not in self.tracker.used
+            self.tracker.enter(name)
+            if (first or self.groups[name].status is not Status.GATHERED  # first use, or again after a reshard
+                    or (torch.is_grad_enabled() and not self.nodes.groups[name].views_grad)):  # or used under no_grad
+                self.gather_for_forward(name)
+            self.swap_in(name)
+            return self.frozen.watch_inputs(name, args)
+        if _graph_task_id() != -1:
+            if self.recomputing() or self.recompute_nested:  # activation-checkpoint recomputation in backward
+                self.recompute.run(name, args)
+            elif self.backward_started:
+                raise NotImplementedError(
+                    f"group {name!r} is recomputed inside a nested backward (an activation checkpoint inside a "
+                    f"reentrant one: torch.utils.checkpoint(..., use_reentrant=True) runs a backward of its own); "
+                    f"funcshard.apply supports reentrant checkpointing around or over whole groups, not nested in "
+                    f"another checkpointed region: use use_reentrant=False for the outer one")
+        return None
+
+    def module_post_forward(self, name: str, module: Any, output: Any) -> Any:
+        """A module of group ``name`` finished its forward. Returns the output (hooked for backward)."""
+        if self.in_forward:
+            if self.tracker.exit(name, module):
+                return self.post_forward(name, output)
+            return self.wrap_for_backward(name, output)
+        if self.recomputing():  # recomputation: the group stays gathered until its post-backward
+            self.swap_out(name)
+        return output
+
+    def gather_for_forward(self, name: str) -> None:
+        self.swap_out(name)  # (parameters registered by unshard() make way for autograd-visible ones)
+        self.prefetcher.used(name)
+        self.unshard(name)
+        self.wait(name)
+        self.prefetcher.after(name, backward=False)
+        gb, ns = self.groups[name], self.nodes.groups[name]
+        grad = torch.is_grad_enabled()
+        if not self.fused_on and ns.views_grad and not grad and gb.shards:
+            # used again under no_grad after a use with grad: keep the views with autograd history (refilled in
+            # place), which activation checkpointing recomputes with in backward
+            return
+        ns.views_grad, ns.node = grad, None
+        if not gb.shards:
+            self.binding.groups[name].views = ()
+        elif self.fused_on:
+            self.binding.groups[name].views = self.fused.views(name)
+        elif _functorch_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
+            self.nodes.gather_jvp(name)
+        else:
+            relayed = self.relay.on and gb.trainable and grad  # (a no-grad use needs no relay)
+            self.nodes.gather(name, self.relay.tokens_for(name) if relayed else None)
+
+    def post_forward(self, name: str, output: Any) -> Any:
+        self.swap_out(name)
+        self.nodes.loosen(name)
+        if self.groups[name].group.reshard_after_forward:
+            self.reshard(name)
+        return self.wrap_for_backward(name, output)
+
+    def end_forward(self) -> None:
+        """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
+        self.in_forward = False
+        for name in self.tracker.unfinished():
+            self.swap_out(name)
+            if self.groups[name].group.reshard_after_forward:
+                self.reshard(name)
+        for name in self.prefetcher.unused():
+            if self.groups[name].group.reshard_after_forward:
+                self.reshard(name)
+        self.graph = self.graph or torch.is_grad_enabled()
+
+    def wrap_for_backward(self, name: str, output: Any) -> Any:
+        """Hook the group's outputs so the group is gathered again before its backward runs: a gradient hook on
+        the outputs fires once the first output gradient is ready, before any backward op of the group."""
+        if not torch.is_grad_enabled():
+            return output
+        if isinstance(output, torch.Tensor):  # (the usual case, without a pytree walk)
+            tensors = [output] if output.requires_grad else []
+        else:
+            tensors = grad_inputs(output)
+        if not tensors:
+            return output
+        # A group without trainable parameters has no gather node in the graph to keep the step alive until its
+        # backward: its hooks hold the step themselves (made per call, not kept by the step: no reference cycle).
+        strong = not self.groups[name].trainable
+        if len(tensors) > 1 and _single_grad_level():
+            # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
+            hook = _pre_backward_hook(self, name, once=True, strong=strong)
+            for t in tensors:
+                t.register_hook(hook)
+            return output
+        hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+        if len(tensors) == 1:
+            tensors[0].register_hook(hook)
+        else:
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+        return output
+
+    # ---- backward -----------------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        task = _graph_task_id()
+        if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
+            self.backward_started, self.backward_task = True, task
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def recomputing(self) -> bool:
+        """Inside this step's running backward (a backward that raised half-way leaves backward_started set; a
+        later forward must not take this step's hooks for recomputation)."""
+        return self.backward_started and _graph_task_id() == self.backward_task
+
+    def pre_backward(self, name: str) -> None:
+        self.begin_backward()
+        self.unshard(name)
+        self.wait(name)
+        gb = self.groups[name]
+        if (self.binding.groups[name].views is None and gb.trainable and not self.fused_on
+                and gb.status is Status.GATHERED and self.nodes.saved_views(name) is None):
+            # The forward's node is gone: no recorded op used the group's parameters (reentrant checkpointing inside
+            # the group's forward ran them under no_grad). Its recomputation uses these, and the backward the
+            # checkpoint runs on the recomputed graph reaches their node (the group's post-backward).
+            with torch.enable_grad():
+                self.nodes.gather(name, None, count=False)  # (the forward's node was counted)
+        if gb.status is Status.SHARDED:  # not gathered (unshard_in_backward=False): no views
+            self.swap_out(name)
+        else:
+            self.swap_in(name)  # activation-checkpoint recomputation reads the module's attributes
+        self.prefetcher.after(name, backward=True)
+
+    def divide_factor(self, name: str) -> float:
+        factor = self.groups[name].group.grad_divide_factor
+        return self.plan.divide_factor if factor is None else factor
+
+    def post_backward(self, name: str, grads: list) -> list:
+        """The group's gradients are complete: free it, then reduce-scatter them (consumes ``grads``; FSDP2's order,
+        so the unsharded parameters are gone before the reduce-scatter's buffers are allocated). Returns the
+        shards, or (with a sink) Nones: the shards go to the sink."""
+        if self.sink is not None:
+            n = len(grads)
+            self.reduce_later(name, grads, self.sink)
+            return [None] * n
+        pending = self.reduce_queue.start(name, grads)
+        with no_functorch():
+            return pending.finish(self.divide_factor(name))
+
+    def reduce_later(self, name: str, grads: list, sink: Any) -> None:
+        """``post_backward`` whose reduce-scatter is taken later: in the next group's post-backward or at the end of
+        backward, so it runs while that group's backward computes; its shards go to ``sink``."""
+        raw_grads(grads)
+        grads, extra = sink.collect(name, grads)
+        if grads is None:  # the sink keeps them (accumulation without sync): no reduce-scatter now
+            self.frozen.grads_done(name)
+            return
+        pending = self.reduce_queue.start(name, grads)
+        self.reduce_queue.defer(name, pending, self.divide_factor(name), sink, extra)
+
+    def end_of_backward(self) -> None:
+        self.reduce_queue.finish()  # (apply: its shards are dropped when nobody asked for them in this backward)
+        for name in self.groups:
+            self.free_after_backward(name)
+            self.swap_out(name)
+            self.nodes.loosen(name)
+            self.frozen.backward_ended(name)
+            self.fused.end_backward(name)
+        self.backward_started, self.done = False, True
+        if not self.recompute.reentrant:
+            _remove(self.hook_handles)  # (a reentrant recomputation runs them again in a later backward)
+
+    # ---- apply's forward ----------------------------------------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        plan, facts = self.plan, self.facts
+        # The group modules' hooks live until the end of backward (or until the step is garbage collected, e.g.
+        # when no backward comes): activation checkpointing recomputes forwards during backward, and a region
+        # spanning several groups needs each of them gathered again.
+        handles = self.hook_handles
+        for g in plan.groups[1:]:
+            pre, post = _make_pre_hook(self, g.name), _make_post_hook(self, g.name)
+            for path in g.modules:
+                mod = plan.module.get_submodule(path)
+                handles.append(mod.register_forward_pre_hook(pre, prepend=True))
+                handles.append(mod.register_forward_hook(post, always_call=True))
+        weakref.finalize(self, _remove, handles)
+        if _graph_task_id() == -1:  # not a recomputation inside some backward
+            for old in list(facts.steps):
+                if old.backward_started:  # its backward raised half-way: finish it (free, unhook) now
+                    old.end_of_backward()
+                    old.relay.drop()  # and what its relays did not hand on
+        facts.steps.add(self)
+        no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
+        try:
+            for g in plan.groups[1:]:
+                self.binding.rest(g.name, facts.placeholders[g.name])
+            self.fused_on = _single_grad_level() and any(t.requires_grad for t in self.state.values())
+            self.relay.on = (not self.fused_on and torch.is_grad_enabled()
+                             and not torch._C._functorch.get_interpreter_stack())
+            if self.fused_on:
+                self.fused.begin()
+            self.gather_for_forward(ROOT)
+            self.swap_in(ROOT)
+            self.begin_forward()
+            out = plan.module(*args, **kwargs)
+        except BaseException:
+            _remove(handles)
+            raise
+        finally:
+            self.in_forward = False
+            self.relay.end_forward()
+            if no_backward:
+                _remove(handles)
+            for name in self.groups:
+                self.swap_out(name)
+                self.binding.rest(name, None)
+                self.nodes.loosen(name)
+        if plan.groups[0].reshard_after_forward:
+            self.reshard(ROOT)
+        self.end_forward()
+        if plan.order_differs(self.prefetcher.order):
+            _warn_order(plan, facts, self.prefetcher.order)
+        return self.wrap_for_backward(ROOT, out)
+
+
+def _warn_order(plan: Plan, facts: _PlanFacts, order: list[str]) -> None:
+    """Once per plan: its groups ran out of the plan's order, so the default prefetch gathers the wrong ones."""
+    if facts.order_warned:
+        return
+    facts.order_warned = True
+    warnings.warn(
+        f"funcshard.apply: the groups' forwards ran in the order {tuple(order)}, not in the plan's order "
+        f"{tuple(g.name for g in plan.groups[1:])}; prefetching follows the plan, so it gathers groups early that "
+        f"are not next (more memory, less overlap). Use plan = plan.with_order({tuple(order)!r})",
+        stacklevel=3,
+    )
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def _single_grad_level() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is not None and len(stack) == 1 and stack[0].key() == torch._C._functorch.TransformType.Grad
+
+
+def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
+    # Weakly held: the step keeps its hooks. The autograd graph keeps the step alive through its gather nodes while
+    # a backward can come; ``strong``: a hook the step does not keep holds it (for a group without such a node).
+    ref = (lambda: step) if strong else weakref.ref(step)
+    fired = [None]  # the backward (graph task) in which a once-per-call hook last fired
+
+    def hook(grad):
+        step = ref()
+        if step is None:
+            return None
+        task = _graph_task_id()
+        if not once or fired[0] != task:
+            fired[0] = task
+            step.pre_backward(name)
+        if _single_grad_level():
+            # torch.func.grad differentiates with create_graph=True (so transforms can nest); with a single grad
+            # level nothing differentiates the gradients again, and the graph that made them would keep every
+            # finished group's saved activations and full gradients alive until backward ends.
+            return grad.detach()
+        return None  # the gradient passes unchanged
+
+    return hook
+
+
+def _make_pre_hook(step: Step, name: str):
+    ref = weakref.ref(step)  # the hooks outlive run(); the module must not keep the step alive
+
+    def pre_hook(module, args):
+        step = ref()
+        return None if step is None else step.module_pre_forward(name, module, args)
+
+    return pre_hook
+
+
+def _make_post_hook(step: Step, name: str):
+    ref = weakref.ref(step)
+
+    def post_hook(module, args, output):
+        step = ref()
+        if step is None:
+            return None
+        out = step.module_post_forward(name, module, output)
+        return None if out is output else out
+
+    return post_hook

@@ -1,0 +1,510 @@
+"""How a group's gather enters autograd: three strategies, each owning its own per-group fields.
+
+- ``Nodes`` (plain autograd, and ``torch.func.jvp``): one ``_GroupGather`` node per group and forward, shards ->
+  unsharded parameters. Its backward is the group's post-backward (free, reduce-scatter, divide once). It saves its
+  outputs, so a later use (activation checkpointing recomputing in a backward, possibly a second one through a
+  retained graph) gets the views back (``saved_views``) without the step holding the graph.
+- ``Relay`` (plain autograd in ``apply``): the group's trainable shards -> a scalar token, an input of the group's
+  ``_GroupGather``. The gather's backward returns no shard gradients; the relay's does, once the reduce-scatter
+  finished. Made during the previous group's forward, autograd runs the relay after that group's backward, so the
+  reduce-scatter overlaps it.
+- ``Fused`` (under a ``torch.func`` grad transform): one ``_StepGather`` for the whole step (each
+  ``autograd.Function`` call costs ~1 ms there). Each parameter is used through a view whose gradient hook collects
+  its gradient and hands autograd back zeros without storage; the group's last hook runs the post-backward;
+  ``_StepGather``'s backward, at the end of backward, returns the reduce-scattered shards.
+
+The graph keeps its Step alive (each node's context holds it); the Step never keeps the graph alive past the
+forward or backward that uses it: a reference cycle through autograd nodes, which Python's collector cannot break.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from funcshard._runtime.part import Part
+from funcshard._collectives import check_backward_transforms, check_batched_grads, jvp_of_gather
+
+if TYPE_CHECKING:
+    from funcshard._runtime.step import Step
+
+_UNSET = object()
+
+
+# ---- per-group _GroupGather nodes ---------------------------------------------------------------------------
+
+
+class _NodeState:
+    __slots__ = ("node", "views_grad", "kept")
+
+    def __init__(self):
+        # The _GroupGather node that made the views (weakly), when they carry autograd history: the step holds such
+        # views only while it uses them (see Nodes.loosen); the node saved them, so they come back.
+        self.node: weakref.ref | None = None
+        self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
+        self.kept: list | None = None  # the full gradients the node's pre-hook took over
+
+
+class Nodes(Part):
+    """Per group: the ``_GroupGather`` node of the current views, and the gradients it hands the post-backward."""
+
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.groups = {name: _NodeState() for name in step.groups}
+        self._take_grads_hooks = {name: _take_grads_hook(step, name) for name in step.groups}
+
+    def gather(self, name: str, token: torch.Tensor | None, count: bool = True) -> None:
+        """The group's unsharded parameters as outputs of a new _GroupGather node (its backward runs the group's
+        post-backward), from the gathered buffers. ``count``: a new post-backward to wait for (not when the node
+        replaces one that died unused)."""
+        step = self.step
+        shards = map(_unwrap_if_dead, [step.state[p] for p in step.groups[name].group.params])
+        if _no_saved_hooks():  # autograd saves the outputs plainly
+            views = _apply(_GroupGatherEager, step, name, token, *shards)
+        else:
+            with _saving_views():
+                views = _apply(_GroupGatherEager, step, name, token, *shards)
+        step.binding.groups[name].views = views
+        node = next((v.grad_fn for v in views if v.grad_fn is not None), None)
+        if node is not None:
+            self.groups[name].node = weakref.ref(node)
+            node.register_prehook(self._take_grads_hooks[name])
+            if count:
+                step.frozen.node_made(name)
+
+    def gather_jvp(self, name: str) -> None:
+        step = self.step
+        step.binding.groups[name].views = _GroupGather.apply(
+            step, name, None, *[step.state[p] for p in step.groups[name].group.params])
+
+    def saved_views(self, name: str) -> tuple[torch.Tensor, ...] | None:
+        """The group's autograd-visible views again, from the node that made them (None: its graph is gone or was
+        freed by a backward, so no forward or backward can use them any more)."""
+        ns, b = self.groups[name], self.step.binding.groups[name]
+        node = ns.node() if ns.node is not None else None
+        if node is None:
+            return None
+        try:
+            b.views = node.saved_tensors
+        except RuntimeError:  # freed by a backward without retain_graph
+            ns.node = None
+        return b.views
+
+    def loosen(self, name: str) -> None:
+        """Let go of views that carry autograd history once the forward (or backward) is done with them: they
+        would keep the graph, and through it the step, alive."""
+        b = self.step.binding.groups[name]
+        if self.groups[name].node is not None and not b.swapped:
+            b.views = None
+
+    def take_grads(self, name: str, grads: tuple) -> tuple:
+        """The node's pre-hook: keep the group's full gradients and hand autograd undefined ones, so that the
+        reduce-scatter in the node's backward holds the only reference and frees each gradient once it is copied
+        into the reduce-scatter input, before the output is allocated (FSDP2's order)."""
+        self.groups[name].kept = list(grads)
+        return (None,) * len(grads)
+
+    def given_grads(self, name: str, grads: tuple) -> list:
+        """The gradients for the group's post-backward: those the pre-hook kept, or (no pre-hook) these."""
+        ns = self.groups[name]
+        kept, ns.kept = ns.kept, None
+        return kept if kept is not None else list(grads)
+
+
+def _take_grads_hook(step: Step, name: str):
+    ref = weakref.ref(step)  # the graph keeps the step alive through the node's context
+
+    def hook(grads):
+        step = ref()
+        return None if step is None else step.nodes.take_grads(name, grads)
+
+    return hook
+
+
+class _GroupGather(torch.autograd.Function):
+    """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers).
+    ``token``: the group's ``_Relay`` output (plain autograd in ``apply``), or None: the shard gradients are
+    returned here, after the reduce-scatter."""
+
+    @staticmethod
+    def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):
+        step.wait(name)
+        return step.groups[name].views()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.step, ctx.name, ctx.token = inputs[0], inputs[1], inputs[2] is not None
+        ctx.set_materialize_grads(False)  # None: the parameter got no gradient (reduce-scattered as zeros)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        step = ctx.step
+        grads = step.nodes.given_grads(ctx.name, grads)
+        check_batched_grads("funcshard.apply", grads)
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            _warn_first_order()
+        if ctx.token:
+            step.reduce_later(ctx.name, grads, step.relay)
+            return (None, None, step.relay.token_zero, *[None] * len(grads))
+        return (None, None, None, *step.post_backward(ctx.name, grads))
+
+    @staticmethod
+    def jvp(ctx, _step, _name, _token, *tangents):
+        # The tangent of a gather is the gather of the tangents (forward mode keeps nothing for later).
+        step = ctx.step
+        return jvp_of_gather(step.groups[ctx.name].layout, tangents, step.pg, step.rank)
+
+
+def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """The same Function with ``forward(ctx, ...)``: under plain autograd it skips the per-call
+    ``inspect.signature`` that new-style Functions (needed by torch.func) pay."""
+
+    def forward(ctx, *inputs):
+        out = fn.forward(*inputs)
+        fn.setup_context(ctx, inputs, out)
+        ctx.save_for_backward(*out)  # not for backward: Nodes.saved_views gets the views back from here
+        # outputs of shards that take no gradient get none computed (FSDP2 skips frozen gradients too)
+        frozen = [o for o, i in zip(out, inputs[3:]) if isinstance(i, torch.Tensor) and not i.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return out
+
+    return type(f"{fn.__name__}Eager", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(fn.backward)})
+
+
+_GroupGatherEager = _old_style(_GroupGather)
+
+
+# ---- relays (apply under plain autograd) --------------------------------------------------------------------
+
+
+class _Relay(torch.autograd.Function):
+    """A group's trainable shards -> a scalar token, an input of the group's ``_GroupGather``."""
+
+    @staticmethod
+    def forward(ctx, step: Step, name: str, index: tuple[int, ...], *shards: torch.Tensor):
+        ctx.step, ctx.name, ctx.index = step, name, index
+        ctx.set_materialize_grads(False)
+        return torch.zeros((), device=shards[0].device)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return (None, None, None, *ctx.step.relay.grads(ctx.name, ctx.index))
+
+
+class Relay(Part):
+    """``apply``'s gradient path under plain autograd; also the sink its deferred reduce-scatters deliver to."""
+
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.on = False  # this forward makes relays
+        self.tokens: dict[str, torch.Tensor] = {}  # group -> its relay's token, held only while forward runs
+        self.token_zero: torch.Tensor | None = None  # each group's gradient for its token
+        self.shards: dict[str, tuple[int, list]] = {}  # group -> (graph task, reduce-scattered shards)
+        self._names = tuple(step.groups)  # the plan's order
+        self._position = {n: i for i, n in enumerate(self._names)}
+
+    def tokens_for(self, name: str) -> torch.Tensor | None:
+        """The group's token, and the next trainable group's relay made now: autograd runs it after this group's
+        backward."""
+        token = self._token(name)
+        self._token(self._next_trainable(name))
+        return token
+
+    def _token(self, name: str | None) -> torch.Tensor | None:
+        if name is None:
+            return None
+        token = self.tokens.get(name)
+        if token is None:
+            step = self.step
+            params = step.groups[name].group.params
+            index = tuple(i for i, p in enumerate(params) if step.state[p].requires_grad)  # (fixed now)
+            token = self.tokens[name] = _apply(_Relay, step, name, index,
+                                               *map(_unwrap_if_dead, [step.state[params[i]] for i in index]))
+            if self.token_zero is None:
+                self.token_zero = torch.zeros((), device=token.device)
+        return token
+
+    def _next_trainable(self, name: str) -> str | None:
+        """The trainable group after ``name`` in the plan's order that has no relay yet (the forward runs in the
+        plan's order unless warned; if not, a relay is just made later, and waits a little longer)."""
+        names, groups = self._names, self.step.groups
+        for k in range(self._position[name] + 1, len(names)):
+            if groups[names[k]].trainable and names[k] not in self.tokens:
+                return names[k]
+        return None
+
+    def end_forward(self) -> None:
+        self.tokens.clear()  # the graph holds them (and the step): the step must not hold the graph
+        self.on = False
+
+    # the sink of the deferred reduce-scatters
+    def collect(self, name: str, grads: list) -> tuple[list, Any]:
+        return grads, _graph_task_id()
+
+    def deliver(self, name: str, shards: list, task: Any) -> None:
+        """Keep the group's gradient shards for its relay's backward (summed over the group's uses)."""
+        held = self.shards.get(name)
+        if held is None or held[0] != task:
+            self.shards[name] = (task, shards)
+        else:
+            self.shards[name] = (task, [b if a is None else a if b is None else a.add_(b)
+                                        for a, b in zip(held[1], shards)])
+
+    def grads(self, name: str, index: tuple[int, ...]) -> list[torch.Tensor | None]:
+        """The relay's backward: the reduce-scattered gradients of its inputs, the group's parameters at ``index``
+        (None: none came)."""
+        task = _graph_task_id()
+        self.step.reduce_queue.finish_if(name, task)  # (the relay ran before the next group's post-backward)
+        held = self.shards.pop(name, None)  # autograd owns them now (no second reference)
+        got = held[1] if held is not None and held[0] == task else None
+        return [None if got is None else got[i] for i in index]
+
+    def drop(self) -> None:
+        self.shards.clear()
+
+
+# ---- the whole-step gather (under a torch.func grad transform) ----------------------------------------------
+
+
+class _FusedState:
+    __slots__ = ("outs", "hooked", "task", "expect", "grads", "got", "grad_shards", "ran")
+
+    def __init__(self):
+        self.outs: tuple[torch.Tensor, ...] | None = None  # this group's outputs of _StepGather
+        self.hooked: tuple | None = None  # the hooked views (weak references once a backward has ended)
+        self.task = -1  # the backward (graph task) that expect/grads/got/grad_shards belong to
+        self.expect: int | None = None
+        self.grads: list | None = None
+        self.got = 0
+        self.grad_shards: list | None = None
+        self.ran: list[bool] | None = None  # which hooked views received a gradient in the last backward
+
+
+class Fused(Part):
+    def __init__(self, step: Step):
+        super().__init__(step)
+        self.groups = {name: _FusedState() for name in step.groups}
+        self._zeros: dict = {}
+
+    def begin(self) -> None:
+        """_StepGather over every group's shards; each group's slice of its outputs."""
+        step = self.step
+        outs = _StepGather.apply(step, *self.inputs())
+        k = 0
+        for name, gb in step.groups.items():
+            n = len(gb.shards)
+            self.groups[name].outs, k = outs[k : k + n], k + n
+
+    def views(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The group's views for a forward use: plain outputs under no_grad; else the hooked views (made once per
+        step: a group used again later reuses them, and its gradients add up)."""
+        fs = self.groups[name]
+        if not torch.is_grad_enabled():  # e.g. a no-grad recycling pass: no history, no hooks
+            return fs.outs
+        if fs.hooked is None:
+            fs.hooked = self._hooked_views(name)
+            self.step.frozen.node_made(name)  # one post-backward per backward for the whole step
+        return tuple(o if v is None else v for o, v in zip(fs.outs, fs.hooked))
+
+    def _hooked_views(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The group's parameters as views of its _StepGather outputs, each with the gradient hook that collects
+        it. The hook fires when the parameter's gradient is complete (before the view's backward node runs),
+        unlike a hook on the Function's outputs, which would wait for the end of backward."""
+        ref = weakref.ref(self.step)
+        views = []
+        for i, out in enumerate(self.groups[name].outs):
+            if out.requires_grad:
+                out = torch.ops.aten.alias(out)  # AliasBackward passes any gradient on (sparse too)
+                out.register_hook(_param_grad_hook(ref, name, i))
+                views.append(out)
+            else:
+                views.append(None)
+        return tuple(views)
+
+    def param_grad(self, name: str, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """One parameter's complete gradient. The group's last one runs its post-backward; the gradient goes on to
+        _StepGather's backward as zeros without storage, so the full gradients are freed as soon as the
+        reduce-scatter has read them."""
+        fs = self.groups[name]
+        task = _graph_task_id()
+        if fs.task != task:  # the group's first gradient in this backward (what an aborted one left is dropped)
+            check_backward_transforms("funcshard.apply")
+            fs.task, fs.grad_shards, fs.got = task, None, 0
+            fs.expect = self._expected(fs)
+            fs.grads = [_UNSET] * len(fs.hooked)
+        fs.grads[i] = grad
+        fs.got += 1
+        if fs.got == fs.expect:
+            fs.ran = [g is not _UNSET for g in fs.grads]
+            grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
+            fs.grad_shards = self.step.post_backward(name, grads)
+        return None if grad is None else self._zeros_like(grad)  # None: undefined (e.g. a custom Function's)
+
+    def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
+        """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
+        funcshard took over (a tensor hook cannot return None for that)."""
+        if grad.layout is not torch.strided:  # e.g. nn.Embedding(sparse=True): sparse zeros (nothing stored)
+            return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device, layout=grad.layout)
+        key = (grad.shape, grad.dtype)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zero = self._zeros.get(grad.dtype)  # one element per dtype, expanded to every shape
+            if zero is None:
+                zero = self._zeros[grad.dtype] = grad.new_zeros(())
+            zeros = self._zeros[key] = zero.expand(grad.shape)
+        return zeros
+
+    @staticmethod
+    def _expected(fs: _FusedState) -> int:
+        """How many of the group's hooked views get a gradient in the running backward."""
+        n = 0
+        for k, ref in enumerate(fs.hooked):
+            if ref is None:  # no hook (the parameter takes no gradient)
+                continue
+            v = ref() if isinstance(ref, weakref.ref) else ref
+            if v is not None:
+                n += torch._C._will_engine_execute_node(v.grad_fn)
+            else:  # a later backward through the same graph, and the view object is gone: as in the last one
+                n += fs.ran is None or fs.ran[k]
+        return n
+
+    def outputs(self) -> list[torch.Tensor]:
+        """_StepGather's forward: every group's unsharded parameters as views of padded buffers that have no
+        storage until the group is gathered."""
+        outs = []
+        for gb in self.step.groups.values():
+            if gb.shards:
+                outs.extend(gb.storageless_views())
+        return outs
+
+    def inputs(self) -> list[torch.Tensor]:
+        """_StepGather's inputs (and outputs) in order: every group's shards, group by group."""
+        step = self.step
+        return [step.state[p] for g in step.plan.groups for p in g.params]
+
+    def shard_grads(self) -> list[torch.Tensor | None]:
+        out = []
+        task = _graph_task_id()
+        for name, gb in self.step.groups.items():
+            if gb.shards:
+                fs = self.groups[name]
+                done = fs.grad_shards is not None and fs.task == task
+                out.extend(fs.grad_shards if done else [None] * len(gb.shards))
+                fs.grad_shards = None
+        return out
+
+    def end_backward(self, name: str) -> None:
+        """The graph holds _StepGather's node, which holds the step: strong references from the step back into the
+        graph (the views) would be a cycle Python's collector cannot see through. A later backward through the same
+        graph (vjp_fn called again) finds the views through weak references, or counts as this backward did."""
+        fs, b = self.groups[name], self.step.binding.groups[name]
+        if b.views is not None and fs.hooked is not None:
+            fs.hooked = tuple(None if v is None else weakref.ref(v) for v in fs.hooked)
+            b.views = fs.outs = None
+
+
+def _param_grad_hook(ref, name: str, i: int):
+    def hook(grad):
+        step = ref()
+        return None if step is None else step.fused.param_grad(name, i, grad)
+
+    return hook
+
+
+class _StepGather(torch.autograd.Function):
+    """All sharded parameters of a step -> its unsharded parameters (storage filled while a group is gathered)."""
+
+    @staticmethod
+    def forward(step: Step, *shards: torch.Tensor):
+        return tuple(step.fused.outputs())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        step = ctx.step = inputs[0]
+        ctx.set_materialize_grads(False)
+        # parameters that take no gradient get none computed (inputs here are unwrapped: ask the step's state)
+        frozen = [o for o, t in zip(output, step.fused.inputs()) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.step.fused.shard_grads())
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+_graph_task_id = torch._C._current_graph_task_id
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` outside torch.func transforms, for Functions without ``setup_context``: what
+    ``Function.apply`` does there (the C++ apply; tensors left by an exited transform unwrapped by the caller:
+    ``_unwrap_if_dead``), without its per-call Python (~5 us)."""
+    if _FUNCTION_APPLY is None:  # (a torch without it: the Python path)
+        return fn.apply(*args)
+    return _FUNCTION_APPLY.__get__(None, fn)(*args)
+
+
+def _pack_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # an alias without autograd history: the saved views hold no reference to their node
+
+
+def _unpack_view(t: torch.Tensor) -> torch.Tensor:
+    return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
+
+
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _no_saved_hooks() -> bool:
+    """No saved-tensor hooks are in effect: then a Function's outputs are saved as they are, without a reference
+    to their node, and no _saving_views is needed. (False when that cannot be told.)"""
+    if _top_saved_hooks is None:
+        return False
+    try:
+        return _top_saved_hooks(False) is None
+    except (RuntimeError, TypeError):
+        return False
+
+
+@contextlib.contextmanager
+def _saving_views():
+    """Save _GroupGather's outputs with our own hooks, not with saved-tensor hooks of the caller's (activation
+    checkpointing around a group would recompute its region to unpack them; save_on_cpu would copy them)."""
+    try:
+        cm = torch.autograd.graph.saved_tensors_hooks(_pack_view, _unpack_view)
+        cm.__enter__()
+    except RuntimeError:  # saved-tensor hooks disabled here: the views are saved as plain outputs
+        yield
+        return
+    try:
+        yield
+    finally:
+        cm.__exit__(None, None, None)
+
+
+_WARNED_FIRST_ORDER = [False]
+
+
+def _warn_first_order() -> None:
+    """Once per process: the gather's backward (a reduce-scatter) is not itself differentiable."""
+    import warnings
+
+    if _WARNED_FIRST_ORDER[0]:
+        return
+    _WARNED_FIRST_ORDER[0] = True
+    warnings.warn(
+        "funcshard.apply: a backward with create_graph=True reached the sharded gather; the shard gradients it "
+        "returns carry no graph, so differentiating them again (second-order terms through the parameters, e.g. "
+        "MAML, Hessian-vector products) misses what flows through the gather. First-order uses of the result are "
+        "right; for second order, gather the parameters (funcshard.gather) and differentiate the unsharded model",
+        stacklevel=2,
+    )

@@ -1,0 +1,449 @@
+"""FSDP2's module API: ``fully_shard``, ``FSDPModule`` and its ``set_*`` methods, the module hooks.
+
+``fully_shard`` shards a unit's parameters at once (``make_spec``, ``ShardSpec.local_shard``) and registers each
+as a DTensor ``nn.Parameter`` whose local tensor is the unpadded view of its padded shard. The module hooks hand
+each forward to the root's runtime Step (``Step.module_pre_forward`` / ``module_post_forward``); the ``set_*``
+methods change unit settings, which become Plan edits at the next iteration (``_units``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of
+from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy
+from funcshard._runtime import Step
+from funcshard._spec import dim_range, make_spec
+from funcshard.fsdp._sink import _Param
+from funcshard.fsdp._units import UNIT, _Unit, cls_name, ctx_of, fsdp_class, unit_of
+
+_OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
+
+
+def _not_built(what: str, instead: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not built yet in funcshard's fully_shard; {instead}")
+
+
+def _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims) -> None:
+    if dp_mesh_dims is not None:
+        raise _not_built("dp_mesh_dims (DTensor parameters on a full SPMD mesh)", "pass a 1-D data-parallel mesh")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if isinstance(reshard_after_forward, int):
+            raise _not_built("reshard_after_forward as an int (reshard to a smaller group after forward, "
+                             "ZeRO++ hpZ)", "pass True, False or None")
+        raise ValueError(f"reshard_after_forward should be a bool or None, not {reshard_after_forward!r}")
+    casts = [f"{f}={getattr(mp_policy, f)}" for f in ("param_dtype", "reduce_dtype", "output_dtype")
+             if getattr(mp_policy, f, None) is not None]
+    if casts:  # ours or torch's policy: the fields are the same
+        raise _not_built(f"mixed precision ({', '.join(casts)})", "use the default MixedPrecisionPolicy() "
+                         "(or cast the model, e.g. model.to(torch.bfloat16), before fully_shard)")
+    if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
+        raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
+    if mesh.ndim == 2:
+        raise _not_built("HSDP (a 2-D (replicate, shard) mesh)", "pass a 1-D mesh, e.g. mesh['shard']")
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard expects a 1-D DeviceMesh but got {mesh}")
+
+
+# ---- module hooks -------------------------------------------------------------------------------------
+
+
+def _no_inference_tensors(fn):
+    """Run ``fn`` outside ``inference_mode`` (grad stays off): the runtime's buffers outlive an
+    inference-mode forward, and inference tensors cannot be refilled later."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@_no_inference_tensors
+def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    ctx = ctx_of(unit)
+    name = unit.group
+    if _in_backward():  # activation-checkpoint recomputation
+        if name is not None and (step := ctx.step) is not None:
+            step.module_pre_forward(name, module, args)
+        return None
+    moved = None
+    if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
+        ctx.fwd_root = unit
+        ctx.begin().begin_forward()
+        if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
+            moved = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
+    if name is not None:
+        watched = ctx.step.module_pre_forward(name, module, moved[0] if moved is not None else args)
+        if watched is not None:
+            moved = (watched, moved[1] if moved is not None else kwargs)
+    return moved
+
+
+@_no_inference_tensors
+def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any:
+    ctx = unit.ctx
+    if _in_backward() or ctx is None or ctx.step is None:
+        return output
+    step, name = ctx.step, unit.group
+    if name is not None:
+        output = step.module_post_forward(name, module, output)
+    if ctx.fwd_root is unit and not (name is not None and step.tracker.is_open(name)):
+        ctx.end_forward()
+    return output
+
+
+def _reshard_hook(module: nn.Module, *args: Any) -> None:  # state_dict / load_state_dict: sharded params
+    unit = module.__dict__.get(UNIT)
+    if unit is not None and unit.ctx is not None and unit.ctx.fwd_root is None:
+        FSDPModule.reshard(module)
+
+
+def _resync(unit: _Unit) -> None:
+    """After ``_apply`` (``to``, ``to_empty``) or ``load_state_dict(assign=True)`` replaced parameter data:
+    pad the new local tensors again; they become the state the runtime reads."""
+    changed = False
+    for r in unit.params:
+        mod, attr = r.slots[0]
+        cur = mod._parameters[attr]
+        if not isinstance(cur, DTensor):
+            raise TypeError(f"fully_shard: {unit.name()}.{attr} was replaced by a {type(cur).__name__}; "
+                            f"managed parameters must stay DTensors (load a sharded state dict instead)")
+        setattr(cur, _OWNER, unit)  # swap_tensors (in nn.Module._apply) moves __dict__ to the other tensor
+        with torch.no_grad():
+            local = cur.to_local()
+        if cur is r.param and local.dtype == r.padded.dtype and local.device == r.padded.device and (
+                r.padded.is_meta or local.untyped_storage().data_ptr() == r.padded.untyped_storage().data_ptr()):
+            continue
+        r.spec = dataclasses.replace(r.spec, dtype=local.dtype)
+        r.padded = local.new_zeros(r.spec.local_shape)
+        with torch.no_grad():
+            r.local(r.padded).copy_(local)
+        new = nn.Parameter(r.dtensor(r.local(r.padded), unit.mesh), requires_grad=cur.requires_grad)
+        try:  # keep the parameter object (optimizers may hold it), as nn.Module._apply does
+            torch.utils.swap_tensors(cur, new)
+            new = cur
+        except RuntimeError:
+            pass
+        for m, a in r.slots:
+            m._parameters[a] = new
+        setattr(new, _OWNER, unit)
+        r.param, changed = new, True
+    if changed and unit.ctx is not None:
+        unit.ctx.stale = True  # rebuild the plan (dtypes may have changed) at the next forward
+
+
+# ---- the public API ---------------------------------------------------------------------------------
+
+
+class UnshardHandle:
+    """A handle to wait on a :meth:`FSDPModule.unshard` op."""
+
+    def wait(self) -> None:
+        """Wait for the all-gather; the unsharded parameters are then registered on the module."""
+
+
+class _UnshardHandleImpl(UnshardHandle):
+    def __init__(self, step: Step, name: str | None):
+        self._step, self._name = step, name
+
+    @_no_inference_tensors
+    def wait(self) -> None:
+        step, name, self._step = self._step, self._name, None
+        if step is None or name is None:
+            return
+        step.wait(name)
+        step.register_unsharded(name)
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to: ``FSDP<Cls>(FSDPModule, Cls)``."""
+
+    def __new__(cls, *args, **kwargs):  # e.g. slicing an FSDPSequential constructs the original class
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _set(self, recurse: bool, **settings: Any) -> None:
+        units = {id(u): u for m in (self.modules() if recurse else [self]) if (u := m.__dict__.get(UNIT))}
+        for u in units.values():
+            for k, v in settings.items():
+                setattr(u, k, v)
+            if u.ctx is not None:
+                u.ctx._plan = None  # derive the plan again at the next step
+
+    @_no_inference_tensors
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters and register them unsharded (not recursive). With
+        ``async_op=True``, return a handle to wait on; the module's next forward waits for it anyway."""
+        unit = unit_of(self)
+        ctx = ctx_of(unit)
+        busy = ctx.fwd_root is not None or (ctx.step is not None and ctx.step.backward_started)
+        step = ctx.step if busy else ctx.begin(fresh=True)
+        if unit.group is not None:
+            step.unshard(unit.group)
+        handle = _UnshardHandleImpl(step, unit.group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    @_no_inference_tensors
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (not recursive)."""
+        unit = unit_of(self)
+        if unit.ctx is not None and not unit.ctx.stale and unit.ctx.step is not None and unit.group is not None:
+            unit.ctx.step.release(unit.group)
+
+    @_no_inference_tensors
+    def reset_iter_state(self) -> None:
+        """After forward or backward raised: free every group and forget the iteration (on the root)."""
+        unit = unit_of(self)
+        if (ctx := unit.ctx) is None or ctx.stale:
+            return
+        if ctx.top is not unit:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        if ctx.step is not None:
+            ctx.step.abandon()
+        ctx.step, ctx.fwd_root, ctx.fresh = None, None, None
+        for u in ctx.units:
+            u.acc.clear()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates unsharded gradients without reduce-scatter (FSDP1's ``no_sync``);
+        the next backward with True reduce-scatters the sum."""
+        self._set(recurse, sync=bool(requires_gradient_sync))
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """The plan's ``Group.reshard_after_forward``, from the next iteration on."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        self._set(recurse, reshard_after_forward=reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep the parameters gathered after backward; the next forward uses them without an
+        all-gather (gradient accumulation)."""
+        self._set(recurse, reshard_after_backward=bool(reshard_after_backward))
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: parameters without a gradient on this rank still get the reduced gradient."""
+        self._set(recurse, reduce_unused=bool(reduce_scatter_unused_params))
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: no all-gather for this module's backward (it must read no parameters, e.g. an embedding)."""
+        self._set(False, unshard_in_backward=bool(unshard_in_backward))
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduce-scattered (summed) gradients by ``factor`` instead of the mesh size."""
+        if not factor > 0:
+            raise ValueError(f"the gradient divide factor must be > 0, got {factor}")
+        self._set(False, divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # deprecated in FSDP2
+        self.set_gradient_divide_factor(factor)
+
+    def _set_prefetch(self, kind: str, modules: list) -> None:
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise ValueError(f"Expects FSDPModule but got {type(m)}: {m}")
+        self._set(False, **{f"{kind}_prefetch": [unit_of(m) for m in modules]})
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters when this module's forward starts (the plan's
+        ``forward_prefetch_lists``; replaces the depth-1 default for this module)."""
+        self._set_prefetch("forward", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters when this module's backward starts."""
+        self._set_prefetch("backward", modules)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted: funcshard finishes every reduce-scatter inside backward; nothing waits for a last one."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted: all-gathers are issued from the current stream, which already follows the optimizer."""
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: funcshard always reduce-scatters with SUM, then divides once."""
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """True is the only behaviour of a 1-D mesh; False (skip HSDP's all-reduce) is not built."""
+        if not requires_all_reduce:
+            raise _not_built("set_requires_all_reduce(False) (HSDP gradient all-reduce)",
+                             "a 1-D mesh has no all-reduce to skip")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        self.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        _resync(unit_of(self))
+        return out
+
+
+def _unbuilt_method(self, *args: Any, _name: str, **kwargs: Any) -> None:
+    raise _not_built(_name, "funcshard runs one all-gather and one reduce-scatter (SUM, then one divide) per group "
+                     "and dtype, on the mesh's process group, with buffers from the caching allocator")
+
+
+for _name in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+              "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
+    setattr(FSDPModule, _name, functools.partialmethod(_unbuilt_method, _name=_name))
+
+def _no_deepcopy(*args: Any, **kwargs: Any):
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn=None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` like ``torch.distributed.fsdp.fully_shard`` (same
+    signature and semantics; apply bottom-up: blocks, then the root). A list of modules forms one unit.
+
+    Parameters become DTensor ``nn.Parameter``s (``Shard(dim)``; ``shard_placement_fn(param) -> Shard | None``
+    picks the dim; uneven sizes are padded, on any dim). ``reshard_after_forward``: True frees the unsharded
+    parameters after forward, False keeps them for backward, None means True except for the root. Not built
+    (NotImplementedError): mixed precision, CPU offload, HSDP / 2-D meshes, int ``reshard_after_forward``,
+    ``dp_mesh_dims``. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    """
+    modules = (module,) if isinstance(module, nn.Module) else tuple(module)
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
+        if m.__dict__.get(UNIT) is not None:
+            raise ValueError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
+                             f"module, bottom-up (submodules first, then their ancestors)")
+    mesh = mesh if mesh is not None else default_fsdp_mesh()
+    _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims)
+    device = device_of(mesh)
+    check_mesh(mesh)
+    managed, nested, params = _collect(modules, set(ignored_params or ()))
+    world, rank = mesh.size(), mesh.get_local_rank()
+    records = []
+    for path, p in params:
+        placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+        if placement is not None and not isinstance(placement, Shard):
+            raise _not_built("shard_placement_fn returning a per-parameter mesh (ShardPlacementResult)",
+                             "return Shard(dim) or None")
+        dim = 0 if placement is None else placement.dim
+        lo, hi = dim_range(tuple(p.shape))
+        if not lo <= dim <= hi:
+            raise ValueError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape {tuple(p.shape)}; "
+                             f"pick a dim in [{lo}, {hi}]")
+        spec = make_spec(path, p, dim, axis=0, world=world)
+        full = p.detach() if p.is_meta else p.detach().to(device)
+        records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
+    # nothing above changed the modules; from here on, register
+    unit = _Unit(modules, mesh, records, reshard_after_forward)
+    for (_, p), r in zip(params, records):
+        setattr(p, _OWNER, unit)
+        setattr(r.param, _OWNER, unit)
+        for m in managed:
+            for attr, q in m._parameters.items():
+                if q is p:
+                    m._parameters[attr] = r.param
+                    r.slots.append((m, attr))
+    for m in managed:
+        for k, b in m._buffers.items():
+            if b is not None and b.device != device and not b.is_meta:
+                m._buffers[k] = b.to(device)
+    for u in nested:
+        u.parent = unit
+        if u.ctx is not None:
+            u.ctx.stale = True
+    for m in modules:
+        m.__dict__[UNIT] = unit
+        m.register_forward_pre_hook(functools.partial(_pre_forward, unit), prepend=True, with_kwargs=True)
+        m.register_forward_hook(functools.partial(_post_forward, unit))
+        m.register_state_dict_pre_hook(_reshard_hook)
+        m.register_load_state_dict_pre_hook(_reshard_hook)
+        m.register_load_state_dict_post_hook(lambda mod, keys: _resync(unit_of(mod)))
+        m.__class__ = fsdp_class(type(m), FSDPModule, {"__deepcopy__": _no_deepcopy})
+    return module
+
+
+def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list]:
+    """The modules one call manages (not those under an earlier, nested call), the nested units, and the
+    parameters to shard as (path, parameter); raises on parameters another call manages."""
+    managed: list[nn.Module] = []
+    nested: list[_Unit] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        seen.add(id(m))
+        for c in m.children():
+            if (u := c.__dict__.get(UNIT)) is not None and c not in modules:
+                nested.extend([u] if u not in nested else [])
+            elif id(c) not in seen:
+                visit(c)
+        managed.append(m)
+
+    for m in modules:
+        visit(m)
+    prefix = {id(x): f"{n}." if n else "" for m in reversed(modules) for n, x in m.named_modules()}
+    call = "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")"
+    params, seen = [], set()
+    for m in managed:
+        for attr, p in m._parameters.items():
+            if p is None or p in ignored or id(p) in seen:
+                continue
+            path = prefix[id(m)] + attr
+            if (owner := getattr(p, _OWNER, None)) is not None:
+                if any(x is m for o in owner.modules for x in o.modules()):
+                    raise ValueError(f"{call}: its parameter {path!r} is already managed by the fully_shard call "
+                                     f"on {owner.name()}, an ancestor; apply fully_shard bottom-up: submodules "
+                                     f"first, then their ancestors")
+                raise ValueError(f"{call}: parameter {path!r} is shared with (tied to) a parameter the "
+                                 f"fully_shard call on {owner.name()} already manages; a parameter belongs to one "
+                                 f"unit: shard the modules sharing it together, fully_shard([a, b]), or leave it "
+                                 f"to a common ancestor")
+            if isinstance(p, DTensor):
+                raise _not_built("fully_shard on DTensor parameters (FSDP + tensor parallel)",
+                                 "pass plain parameters")
+            if p.dim() == 0:
+                raise ValueError(f"fully_shard doesn't support scalar parameters. Change {path} to a 1D tensor "
+                                 f"with numel equal to 1.")
+            seen.add(id(p))
+            params.append((path, p))
+    return managed, nested, params
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run like ``forward``: gather before, reshard after. A no-op on a module
+    ``fully_shard`` was not applied to."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    orig, unit = getattr(module, method_name), unit_of(module)
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        moved = _pre_forward(unit, self, args, kwargs)
+        args, kwargs = moved if moved is not None else (args, kwargs)
+        return _post_forward(unit, self, args, orig(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))

@@ -1,0 +1,181 @@
+"""Units (one per ``fully_shard`` call) and contexts (one per root): FSDP2's settings as edits of a Plan.
+
+A unit holds its modules, its managed parameters (``_Param``) and its settings. At the first forward (or
+``unshard()``) the outermost unit's context builds one Plan over the root module with one group per nested unit;
+each setting becomes a field of that unit's Group (reshard after forward / backward, unshard in backward, divide
+factor, prefetch lists), and the runtime executes it. Gradients reach the DTensor parameters through the context's
+``GradSink``. No gather, free or reduce logic lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from funcshard._plan import ROOT, Group, Plan
+from funcshard._plan import plan as make_plan
+from funcshard._policy import reshard_after_forward_default
+from funcshard._runtime import Step
+from funcshard.fsdp._sink import GradSink, _Param
+
+UNIT = "_funcshard_unit"  # module attribute: the unit the module belongs to
+FSDP_CLASSES: dict[type, type] = {}  # a module class -> its FSDP<Cls> subclass
+
+
+class _Unit:
+    """The modules of one ``fully_shard`` call, their parameters, and the unit's settings."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], mesh: DeviceMesh, params: list[_Param], rsf: bool | None):
+        self.modules, self.mesh, self.params = modules, mesh, params
+        self.reshard_after_forward = rsf  # None: True, except for the root
+        self.parent: _Unit | None = None  # the unit of the next fully_shard call on an ancestor
+        self.ctx: _Context | None = None
+        self.group: str | None = None  # this unit's group in the root's plan (None: no parameters)
+        self.sync = self.reshard_after_backward = self.unshard_in_backward = True
+        self.reduce_unused = False
+        self.divide_factor: float | None = None
+        self.forward_prefetch: list[_Unit] | None = None
+        self.backward_prefetch: list[_Unit] | None = None
+        self.acc: dict[str, torch.Tensor] = {}  # unsharded gradients accumulated without sync, by path
+
+    def name(self) -> str:
+        names = [cls_name(m) for m in self.modules]
+        return f"[{', '.join(names)}]" if len(names) > 1 else names[0]
+
+
+def cls_name(module: nn.Module) -> str:
+    """The class name the user wrote (not the FSDP<Cls> subclass)."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if cls in _GENERATED else cls.__name__
+
+
+_GENERATED: set[type] = set()
+
+
+def fsdp_class(cls: type, base: type, namespace: dict) -> type:
+    """``FSDP<Cls>(base, Cls)``, made once per class."""
+    if cls not in FSDP_CLASSES:
+        FSDP_CLASSES[cls] = new = type(f"FSDP{cls.__name__}", (base, cls), namespace)
+        _GENERATED.add(new)
+    return FSDP_CLASSES[cls]
+
+
+def unit_of(module: nn.Module) -> _Unit:
+    return module.__dict__[UNIT]
+
+
+def ctx_of(unit: _Unit) -> _Context:
+    if unit.ctx is not None and not unit.ctx.stale:
+        return unit.ctx
+    top = unit
+    while top.parent is not None:
+        top = top.parent
+    return _Context(top)
+
+
+class _Context:
+    """Per root: the base Plan (built once), the Plan with the units' settings, the current Step."""
+
+    def __init__(self, top: _Unit):
+        if len(top.modules) != 1:
+            raise RuntimeError(f"fully_shard needs a single root module, but the outermost call got the modules "
+                               f"{top.name()}; call fully_shard on their common parent last")
+        self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
+        self.fresh: Step | None = None  # a step unshard() made before its forward
+        self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
+        self._ordered: dict[tuple[str, ...], Plan] = {}
+        self.last_order: tuple[str, ...] = ()
+        root = top.modules[0]
+        paths = {id(m): n for n, m in root.named_modules()}
+        self.units: list[_Unit] = []
+        for m in root.modules():
+            if (u := m.__dict__.get(UNIT)) is not None and u not in self.units:
+                self.units.append(u)
+        recs = {id(r.param): r for u in self.units for r in u.params}
+        nested = [u for u in self.units if u is not top]
+        base = make_plan(root, top.mesh, groups=[tuple(paths[id(m)] for m in u.modules) for u in nested],
+                         shard_placement_fn=lambda fqn, q: recs[id(q)].spec.dim if id(q) in recs else None,
+                         layout="per_param")  # DTensor Shard(dim) locals: one padded shard per parameter
+        self.recs = {f: recs[i] for f in base.specs if (i := id(root.get_parameter(f))) in recs}
+        groups = []  # ignored parameters stay plain module parameters, out of the plan
+        for g in base.groups:
+            g = dataclasses.replace(g, params=tuple(p for p in g.params if p in self.recs))
+            if g.params or g.is_root:
+                groups.append(g)
+        self.base = base.replace(specs={f: base.specs[f] for f in self.recs}, groups=tuple(groups))
+        self.by_group: dict[str, _Unit] = {}
+        for u in self.units:
+            u.ctx, name = self, ROOT if u is top else paths[id(u.modules[0])]
+            g = next((g for g in groups if g.name == name), None)
+            held = {id(self.recs[p].param) for p in g.params} if g else set()
+            if held != {id(r.param) for r in u.params}:
+                raise RuntimeError(f"fully_shard: the plan's group {name!r} does not hold exactly the parameters "
+                                   f"of the fully_shard call on {u.name()}; modules shared between units are not "
+                                   f"supported")
+            u.group = name if held else None
+            if held:
+                self.by_group[name] = u
+        self.sink = GradSink(self)
+
+    def plan(self) -> Plan:
+        """The base plan edited by the units' settings (derived again after a setting changed)."""
+        if self._plan is None:
+            groups = tuple(self._edited(g) for g in self.base.groups)
+            self._plan = self.base.replace(groups=groups, forward_prefetch_lists=self._lists("forward"),
+                                           backward_prefetch_lists=self._lists("backward"))
+            self._ordered = {}
+        if not self.order:
+            return self._plan
+        hit = self._ordered.get(self.order)  # a model alternating between two orders reuses both plans
+        if hit is None:
+            hit = self._ordered[self.order] = self._plan.with_order([n for n in self.order if n in self.by_group])
+        return hit
+
+    def _edited(self, g: Group) -> Group:
+        """The plan's group with its unit's settings (a group without a unit keeps the defaults)."""
+        u = self.by_group.get(g.name)
+        rsf = reshard_after_forward_default(None if u is None else u.reshard_after_forward, is_root=g.is_root)
+        if u is None:
+            return dataclasses.replace(g, reshard_after_forward=rsf)
+        return dataclasses.replace(g, reshard_after_forward=rsf, reshard_after_backward=u.reshard_after_backward,
+                                   unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor)
+
+    def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for u in self.units:
+            if u.group is None or (targets := getattr(u, f"{kind}_prefetch")) is None:
+                continue
+            if any(t.ctx is not self for t in targets):
+                raise ValueError(f"set_modules_to_{kind}_prefetch on {u.name()} names a module that is not under "
+                                 f"the same root FSDP module; prefetch only modules of one model")
+            out[u.group] = tuple(t.group for t in targets if t.group is not None)
+        return out
+
+    def begin(self, fresh: bool = False) -> Step:
+        """The Step for the next forward (``fresh``: made by ``unshard()`` before it). Groups the last Step left
+        gathered carry over to the new one (``Step.carry_over``)."""
+        old = self.step
+        if old is not None and old is self.fresh:
+            self.fresh = old if fresh else None
+            return old
+        new = Step(self.plan(), {f: r.leaf() for f, r in self.recs.items()}, sink=self.sink, recompute_nested=True)
+        self.fresh = new if fresh else None
+        if old is not None:
+            new.carry_over(old)
+        self.step = new
+        return new
+
+    def end_forward(self) -> None:
+        step = self.step
+        step.end_forward()
+        self.fwd_root = None
+        # Prefetch follows the order the units' forwards ran in (FSDP2 records it each iteration): this step's
+        # backward at once (the runtime's Prefetcher); later forwards once the same order was seen twice in a row (a
+        # model alternating between orders keeps the module order for its forward prefetch).
+        seen = tuple(step.prefetcher.order)
+        if self.plan().order_differs(seen) and seen == self.last_order:
+            self.order = seen
+        self.last_order = seen
