@@ -147,21 +147,26 @@ def install_phase_wrappers() -> None:
         _patch(mod, "all_gather_single", ISSUE_AG)
         _patch(mod, "reduce_scatter_single", ISSUE_RS)
     # funcshard
-    _patch(_runtime, "start_gather", COPY_IN)
+    from funcshard._runtime import backward as _rt_backward
+    from funcshard._runtime import buffers as _rt_buffers
+    from funcshard._runtime import strategies as _rt_strategies
+
+    _patch(_rt_buffers, "start_gather", COPY_IN)
     _patch(_collectives, "all_gather_into", ISSUE_AG)
     _patch(_collectives.PendingGather, "finish", COPY_OUT)
-    _patch(_runtime, "reduce_scatter_grads", RS_BUILD)  # (older runtimes)
-    _patch(_runtime, "start_reduce_scatter", RS_BUILD)  # input build + issue; divide + split in finish
+    _patch(_rt_backward, "start_reduce_scatter", RS_BUILD)  # input build + issue; divide + split in finish
     _patch(_collectives.PendingReduce, "finish", RS_BUILD)
     _patch(_collectives, "reduce_scatter_into", ISSUE_RS)
     # (not Step.run: the whole forward's compute runs inside it)
-    for m in ("gather_for_forward", "post_forward", "wrap_for_backward", "pre_backward", "post_backward",
-              "end_of_backward", "unshard", "wait", "reshard", "prefetch", "swap_in", "swap_out", "_allocate"):
+    for m in ("module_pre_forward", "module_post_forward", "gather_for_forward", "post_forward", "wrap_for_backward",
+              "pre_backward", "post_backward", "reduce_later", "end_of_backward", "unshard", "wait", "reshard",
+              "swap_in", "swap_out"):
         _patch(_runtime.Step, m, RUNTIME)
+    _patch(_rt_buffers.GroupBuffers, "allocate", RUNTIME)
     _patch(_runtime.Step, "__init__", SETUP)
     _patch(_apply, "check_state", SETUP)
     _patch(_apply, "check_mesh", SETUP)
-    for cls in (getattr(_runtime, n, None) for n in ("_GroupGather", "_PreBackward")):
+    for cls in (getattr(_rt_strategies, n, None) for n in ("_GroupGather", "_GroupGatherEager")):
         if cls is not None:
             _patch(cls, "forward", RUNTIME, static=True)
             _patch(cls, "backward", RUNTIME, static=True)

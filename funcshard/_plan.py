@@ -104,23 +104,28 @@ class Plan:
                 return g
         raise KeyError(f"plan has no group {name!r}; its groups are {[g.name for g in self.groups]}")
 
-    def prefetch_after(self, name: str, *, backward: bool = False) -> tuple[str, ...]:
-        """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward)."""
+    def prefetch_after(self, name: str, *, backward: bool = False, ran: tuple[str, ...] | None = None
+                       ) -> tuple[str, ...]:
+        """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward): its
+        explicit list if it has one, else the next ``depth`` groups in the plan's order (backward: reversed).
+        ``ran``: the order the groups' forwards actually ran in (backward prefetch follows it, as FSDP2 records
+        it), when it is known. The one rule the runtime and the schedule both use."""
         cache = self.__dict__.setdefault("_funcshard_prefetch_after", {})  # (immutable: edits make new plans)
-        hit = cache.get((name, backward))
+        key = (name, backward, ran)
+        hit = cache.get(key)
         if hit is None:
-            hit = cache[(name, backward)] = self._prefetch_after(name, backward)
+            hit = cache[key] = self._prefetch_after(name, backward, ran)
         return hit
 
-    def _prefetch_after(self, name: str, backward: bool) -> tuple[str, ...]:
+    def _prefetch_after(self, name: str, backward: bool, ran: tuple[str, ...] | None) -> tuple[str, ...]:
         lists = self.backward_prefetch_lists if backward else self.forward_prefetch_lists
         if name in lists:
             return tuple(lists[name])
-        order = [g.name for g in self.groups if not g.is_root]
+        order = list(ran) if ran else [g.name for g in self.groups if not g.is_root]
         if backward:
             order = order[::-1]
         depth = self.backward_prefetch if backward else self.forward_prefetch
-        if name == ROOT:  # the root starts first in forward and in backward
+        if name == ROOT or name not in order:  # the root starts first in forward and in backward
             return tuple(order[:depth])
         i = order.index(name)
         return tuple(order[i + 1 : i + 1 + depth])

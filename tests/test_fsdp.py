@@ -7,6 +7,8 @@ optimizer, and compares per-step losses and final full parameters (and buffers) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -842,8 +844,8 @@ def _errors():
         "hsdp": lambda: funcshard.fully_shard(
             fresh, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))),
         "int_reshard": lambda: funcshard.fully_shard(fresh, mesh=mesh, reshard_after_forward=2),
-        "dp_mesh_dims": lambda: funcshard.fully_shard(
-            fresh, mesh=mesh, dp_mesh_dims=torch_fsdp.DataParallelMeshDims(shard="x")),
+        "dp_mesh_dims": lambda: funcshard.fully_shard(  # (torch 2.13's class; a stand-in before it)
+            fresh, mesh=mesh, dp_mesh_dims=getattr(torch_fsdp, "DataParallelMeshDims", _MeshDims)(shard="x")),
         "dtensor_params": lambda: funcshard.fully_shard(tp, mesh=mesh),
     }
     for name, fn in unbuilt.items():
@@ -926,6 +928,12 @@ def _api():
     return facts
 
 
+@dataclasses.dataclass
+class _MeshDims:  # torch 2.13's DataParallelMeshDims' fields, for the refusal test on older torch
+    shard: str | None = None
+    replicate: str | None = None
+
+
 def test_api_surface():
     names = {"fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
              "UnshardHandle", "register_fsdp_forward_method"}
@@ -937,8 +945,9 @@ def test_api_surface():
                [(f.name, f.default) for f in theirs.__dataclass_fields__.values()]
     import inspect
 
-    assert list(inspect.signature(funcshard.fully_shard).parameters) == \
-           list(inspect.signature(torch_fsdp.fully_shard).parameters)
+    ours, theirs = (list(inspect.signature(f.fully_shard).parameters) for f in (funcshard, torch_fsdp))
+    # torch 2.13's signature; torch before 2.13 has no dp_mesh_dims
+    assert ours == theirs if "dp_mesh_dims" in theirs else ours == [*theirs, "dp_mesh_dims"], (ours, theirs)
     facts = run_ranks(2, _api)
     assert facts[0]["class"] == "FSDPMLP" and facts[0]["is_fsdp"] and facts[0]["block_class"] == "FSDPBlock"
     assert facts[0]["slice_is_plain"] and facts[0]["params"] == ["DTensor"] and facts[0]["handle"]

@@ -28,13 +28,8 @@ class Prefetcher(Part):
     def after(self, name: str, *, backward: bool) -> None:
         """Issue the all-gathers of the groups to prefetch when group ``name`` starts."""
         step = self.step
-        plan = step.plan
-        if backward and self.order and name not in plan.backward_prefetch_lists:
-            ran = self.order[::-1]
-            i = ran.index(name) + 1 if name in ran else 0
-            others = ran[i : i + plan.backward_prefetch]
-        else:
-            others = plan.prefetch_after(name, backward=backward)
+        ran = tuple(self.order) if backward and self.order else None  # (backward: the order forward ran in)
+        others = step.plan.prefetch_after(name, backward=backward, ran=ran)
         for other in others:
             if not backward and step.groups[other].status is Status.SHARDED:
                 self.prefetched.add(other)
