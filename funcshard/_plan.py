@@ -98,6 +98,10 @@ class Plan:
             return float(self.grad_divide_factor)
         return float(self.mesh.size())
 
+    def divide_factor_of(self, group: Group) -> float:
+        """The factor the group's summed gradients are divided by: its own, or the plan's."""
+        return self.divide_factor if group.grad_divide_factor is None else float(group.grad_divide_factor)
+
     def group(self, name: str) -> Group:
         for g in self.groups:
             if g.name == name:
@@ -175,7 +179,11 @@ class Plan:
             dtypes = sorted({str(self.specs[p].dtype).removeprefix("torch.") for p in g.params})
             lines.append(
                 f"  group {label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
-                f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}"
+                f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}" + "".join(
+                    f", {k}={v}" for k, v in (("reshard_after_backward", g.reshard_after_backward),
+                                              ("unshard_in_backward", g.unshard_in_backward),
+                                              ("grad_divide_factor", g.grad_divide_factor))
+                    if v is not None and v is not True)
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
         lines.append("  one step:")

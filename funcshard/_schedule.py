@@ -116,7 +116,7 @@ class Op:
             return BACKWARD
         name = label(self.group or "")
         if self.kind == REDUCE_SCATTER:
-            return f"{REDUCE_SCATTER} {name}, free it"
+            return f"{REDUCE_SCATTER} {name}, " + (self.why or "free it")
         return f"{self.kind} {name}" + (f" ({self.why})" if self.why else "")
 
 
@@ -206,13 +206,19 @@ def _build(plan: Plan) -> Schedule:
         gathered.discard(root.name)
         ops.append(Op(FREE, root.name))
     ops.append(Op(BACKWARD))
+    def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
+        return "" if g.reshard_after_backward else "keep it gathered (reshard_after_backward=False)"
+
     for g in (root, *reversed(plan.groups[1:])):
-        ag(g.name, "" if g.is_root else "before its backward")
+        if g.unshard_in_backward:  # (False: its backward reads no parameters, nothing is gathered for it)
+            ag(g.name, "" if g.is_root else "before its backward")
         for p in plan.prefetch_after(g.name, backward=True):
-            ag(p, f"prefetch, while {label(g.name)} computes")
+            if plan.group(p).unshard_in_backward:
+                ag(p, f"prefetch, while {label(g.name)} computes")
         if not g.is_root and g.name not in empty:
-            ops.append(Op(REDUCE_SCATTER, g.name, "", reduces[g.name]))
-            gathered.discard(g.name)
+            ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
+            if g.reshard_after_backward:
+                gathered.discard(g.name)
     if root.name not in empty:
-        ops.append(Op(REDUCE_SCATTER, root.name, "", reduces[root.name]))
+        ops.append(Op(REDUCE_SCATTER, root.name, kept(root), reduces[root.name]))
     return Schedule(tuple(ops), tuple((n, _unsharded_nbytes(ss)) for n, ss in specs.items()))

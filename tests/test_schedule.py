@@ -61,6 +61,9 @@ def _model(kind):
             model.blocks[i] = Block(6, hidden=5 + 3 * i)
     elif kind == "no-root":  # every parameter in a child group: the root group is empty
         model, groups = nn.Sequential(*[nn.Linear(7, 7) for _ in range(5)], nn.Linear(7, 3)), (nn.Linear,)
+    elif kind == "settings":  # per-group settings: an embedding gathered only for forward, a layer kept after backward
+        model = nn.Sequential(nn.Embedding(11, 7), nn.Linear(7, 7), nn.Linear(7, 3))
+        groups = (nn.Embedding, nn.Linear)
     else:  # "mixed": bf16 and fp32 in one group, a frozen weight, a group with nothing trainable, an integer
         model, groups = MLP(layers=3), (Block,)
         model.blocks[0] = _HalfBf16(6)
@@ -77,11 +80,13 @@ def _step_vs_schedule(depth, reshard, model_kind, layout, lists):
     if lists:  # explicit prefetch lists replace the depth-based default for the groups they name
         plan = plan.replace(forward_prefetch_lists={"": ("blocks.0", "blocks.1"), "blocks.1": ("blocks.3",)},
                             backward_prefetch_lists={"blocks.3": ("blocks.1",), "blocks.1": ()})
+    if model_kind == "settings":
+        plan = plan.with_group("0", unshard_in_backward=False).with_group("1", reshard_after_backward=False)
     names = dict(model.named_parameters())
     state = {k: v.requires_grad_(names[k].requires_grad) for k, v in funcshard.shard(plan).items()}
     trainable = {k: v for k, v in state.items() if v.requires_grad}
     frozen = {k: v for k, v in state.items() if not v.requires_grad}
-    x = torch.randn(2, 7)
+    x = torch.arange(4).view(2, 2) if model_kind == "settings" else torch.randn(2, 7)
     with IssuedCollectives() as rec:
         torch.func.grad(lambda tr: funcshard.apply(plan, {**tr, **frozen}, x).float().square().sum())(trainable)
     step = schedule(plan)
@@ -98,7 +103,8 @@ MATRIX = [(0, None, "mlp", "per_param"), (1, None, "mlp", "per_param"), (2, None
 
 
 @pytest.mark.parametrize("depth,reshard,kind,layout",
-                         [*MATRIX, (1, None, "mixed", "per_param"), (1, True, "mixed", "flat")])
+                         [*MATRIX, (1, None, "mixed", "per_param"), (1, True, "mixed", "flat"),
+                          (1, None, "settings", "per_param"), (0, None, "settings", "flat")])
 def test_issued_collectives_are_the_schedules(depth, reshard, kind, layout):
     lists = layout == "lists"
     layout = "per_param" if lists else layout
@@ -112,6 +118,9 @@ def test_issued_collectives_are_the_schedules(depth, reshard, kind, layout):
             assert {o for o in per_op if o[1] in ("", "blocks.0", "blocks.2")} == {
                 ("all-gather", "", 2), ("reduce-scatter", "", 1), ("all-gather", "blocks.0", 2),
                 ("reduce-scatter", "blocks.0", 2), ("all-gather", "blocks.2", 1), ("reduce-scatter", "blocks.2", 0)}
+        elif kind == "settings":  # the embedding is gathered once (forward only); every group reduce-scattered
+            assert [o for o in per_op if o[1] == "0"] == [("all-gather", "0", 1), ("reduce-scatter", "0", 1)]
+            assert any("reduce-scatter 1, keep it gathered" in line for line in lines), lines
         else:  # one collective per printed all-gather / reduce-scatter (one dtype)
             assert [n for *_, n in per_op] == [1] * len(per_op) and len(per_op) == len(planned)
 

@@ -291,8 +291,7 @@ class Step:
         self.prefetcher.after(name, backward=True)
 
     def divide_factor(self, name: str) -> float:
-        factor = self.groups[name].group.grad_divide_factor
-        return self.plan.divide_factor if factor is None else factor
+        return self.plan.divide_factor_of(self.groups[name].group)
 
     def post_backward(self, name: str, grads: list) -> list:
         """The group's gradients are complete: free it, then reduce-scatter them (consumes ``grads``; FSDP2's order,
