@@ -37,7 +37,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from funcshard._collectives import (
@@ -54,8 +53,24 @@ from funcshard._collectives import (
     start_reduce_scatter,
     unwrapped,
 )
+from funcshard._compat import (
+    DisableTorchFunctionSubclass,
+    TransformType,
+    current_graph_task_id,
+    function_base_apply,
+    get_interpreter_stack,
+    make_subclass,
+    maybe_current_level,
+    param_slots,
+    queue_callback,
+    top_saved_tensors_default_hooks,
+    unsafe_preserve_version_counter,
+    unwrap_if_dead,
+    will_engine_execute_node,
+)
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._spec import ShardingError
+from funcshard._tree import module_io_leaves
 
 
 class _Status(enum.Enum):
@@ -258,10 +273,10 @@ class Step:
         if gr.swapped or (gr.views is None and self._saved_views(gr) is None):
             return
         if gr.originals is None:
-            gr.originals = [mod._parameters[attr] for mod, attr, _ in gr.slots]
+            gr.originals = [param_slots(mod)[attr] for mod, attr, _ in gr.slots]
         views = gr.views
         for mod, attr, i in gr.slots:
-            mod._parameters[attr] = views[i]
+            param_slots(mod)[attr] = views[i]
         gr.swapped = True
 
     @staticmethod
@@ -289,7 +304,7 @@ class Step:
         if not gr.swapped:
             return
         for (mod, attr, _), orig in zip(gr.slots, gr.rest or gr.originals):
-            mod._parameters[attr] = orig
+            param_slots(mod)[attr] = orig
         gr.swapped = False
 
     def _rest(self, name: str, placeholders: list | None) -> None:
@@ -298,11 +313,11 @@ class Step:
         module's own parameters otherwise."""
         gr = self.groups[name]
         if gr.originals is None:
-            gr.originals = [mod._parameters[attr] for mod, attr, _ in gr.slots]
+            gr.originals = [param_slots(mod)[attr] for mod, attr, _ in gr.slots]
         gr.rest = placeholders
         if not gr.swapped:
             for (mod, attr, _), t in zip(gr.slots, placeholders or gr.originals):
-                mod._parameters[attr] = t
+                param_slots(mod)[attr] = t
 
     # ---- forward ---------------------------------------------------------------------------------
     def gather_for_forward(self, name: str) -> tuple[torch.Tensor, ...]:
@@ -331,7 +346,7 @@ class Step:
                     gr.nodes += 1  # one post-backward per backward for the whole step
                     gr.nodes_left += 1
                 gr.views = tuple(o if v is None else v for o, v in zip(gr.fused, gr.hooked))
-        elif _functorch_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
+        elif maybe_current_level() is not None:  # torch.func.jvp: the new-style Function (it has the jvp rule)
             gr.views = _GroupGather.apply(self, name, None, *[state[p] for p in gr.group.params])
         else:
             token = None
@@ -346,7 +361,7 @@ class Step:
         group's post-backward), from the gathered buffers. ``count``: a new post-backward to wait for (not when
         the node replaces one that died unused)."""
         gr = self.groups[name]
-        shards = map(_unwrap_if_dead, [self.state[p] for p in gr.group.params])
+        shards = map(unwrap_if_dead, [self.state[p] for p in gr.group.params])
         if _no_saved_hooks():  # autograd saves the outputs plainly
             gr.views = _apply(_GroupGatherEager, self, name, token, *shards)
         else:
@@ -380,7 +395,7 @@ class Step:
         gradient goes on to _StepGather's backward as zeros without storage, so the full gradients are freed
         as soon as the reduce-scatter has read them."""
         gr = self.groups[name]
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if gr.task != task:  # the group's first gradient in this backward (what an aborted one left is dropped)
             check_backward_transforms("funcshard.apply")
             gr.task, gr.grad_shards, gr.got = task, None, 0
@@ -430,7 +445,7 @@ class Step:
                 continue
             v = ref() if isinstance(ref, weakref.ref) else ref
             if v is not None:
-                n += torch._C._will_engine_execute_node(v.grad_fn)
+                n += will_engine_execute_node(v.grad_fn)
             else:  # a later backward through the same graph, and the view object is gone: as in the last one
                 n += gr.ran is None or gr.ran[k]
         return n
@@ -456,7 +471,7 @@ class Step:
 
     def fused_shard_grads(self) -> list[torch.Tensor | None]:
         out = []
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         for gr in self.groups.values():
             if gr.shards:
                 done = gr.grad_shards is not None and gr.task == task
@@ -507,7 +522,7 @@ class Step:
     def recomputing(self) -> bool:
         """Inside this step's running backward (a backward that raised half-way leaves backward_started set;
         a later forward must not take this step's hooks for recomputation)."""
-        return self.backward_started and torch._C._current_graph_task_id() == self.backward_task
+        return self.backward_started and current_graph_task_id() == self.backward_task
 
     def recompute(self, name: str, args: tuple = ()) -> None:
         """The group's forward runs again inside backward (activation checkpointing), on ``args``."""
@@ -524,10 +539,10 @@ class Step:
             self.swap_in(name)
 
     def _begin_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
             self.backward_started, self.backward_task = True, task
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            queue_callback(self.end_of_backward)
 
     def pre_backward(self, name: str) -> None:
         self._begin_backward()
@@ -620,7 +635,7 @@ class Step:
             params = self.groups[name].group.params
             index = tuple(i for i, p in enumerate(params) if self.state[p].requires_grad)  # (fixed now)
             token = self.relays[name] = _apply(_Relay, self, name, index,
-                                               *map(_unwrap_if_dead, [self.state[params[i]] for i in index]))
+                                               *map(unwrap_if_dead, [self.state[params[i]] for i in index]))
             if self.token_zero is None:
                 self.token_zero = torch.zeros((), device=token.device)
         return token
@@ -638,7 +653,7 @@ class Step:
         """``name``'s relay backward: the reduce-scattered gradients of its inputs, the group's parameters at
         ``index`` (None: none came)."""
         gr = self.groups[name]
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if self.reducing is not None and self.reducing[0] == name and self.reducing[3] == task:
             self.finish_reduce_scatter()  # (the relay ran before the next group's post-backward took it)
         got = gr.grad_shards if gr.grad_shards is not None and gr.task == task else None
@@ -746,7 +761,7 @@ class Step:
                 handles.append(mod.register_forward_hook(_make_post_hook(self, g.name), always_call=True))
         weakref.finalize(self, _remove, handles)
         steps = plan.__dict__.setdefault("_funcshard_steps", weakref.WeakSet())
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside some backward
+        if current_graph_task_id() == -1:  # not a recomputation inside some backward
             for old in list(steps):
                 if old.backward_started:  # its backward raised half-way: finish it (free, unhook) now
                     old.end_of_backward()
@@ -763,7 +778,7 @@ class Step:
             # (torch.func.functional_call scans the whole module for ties on every call).
             self.fused = _single_grad_level() and any(t.requires_grad for t in self.state.values())
             self.relaying = (not self.fused and torch.is_grad_enabled()
-                             and not torch._C._functorch.get_interpreter_stack())
+                             and not get_interpreter_stack())
             if self.fused:
                 outs = _StepGather.apply(self, *self.fused_inputs())
                 k = 0
@@ -834,12 +849,12 @@ def _preserve_versions(tensors):
     """Hide in-place refills from autograd's version check (inference tensors have no versions)."""
     if any(t.is_inference() for t in tensors):
         return contextlib.nullcontext()
-    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+    return unsafe_preserve_version_counter(tuple(tensors))
 
 
 def _grad_inputs(args: Any) -> list[torch.Tensor]:
     """The tensors in ``args`` (any pytree) that require grad."""
-    return [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    return [a for a in module_io_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
 def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
@@ -854,7 +869,7 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool =
         step = ref()
         if step is None:
             return None
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if not once or fired[0] != task:
             fired[0] = task
             step.pre_backward(name)
@@ -879,8 +894,8 @@ def _take_grads_hook(step: Step, name: str):
 
 
 def _single_grad_level() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack()
-    return stack is not None and len(stack) == 1 and stack[0].key() == torch._C._functorch.TransformType.Grad
+    stack = get_interpreter_stack()
+    return stack is not None and len(stack) == 1 and stack[0].key() == TransformType.Grad
 
 
 def _make_pre_hook(step: Step, name: str):
@@ -900,7 +915,7 @@ def _make_pre_hook(step: Step, name: str):
             return step.watch_inputs(name, args)
         elif step.recomputing():  # activation-checkpoint recomputation during this step's backward
             step.recompute(name, args)
-        elif step.backward_started and torch._C._current_graph_task_id() != -1:
+        elif step.backward_started and current_graph_task_id() != -1:
             raise NotImplementedError(
                 f"group {name!r} is recomputed inside a nested backward (an activation checkpoint inside a "
                 f"reentrant one: torch.utils.checkpoint(..., use_reentrant=True) runs a backward of its own); "
@@ -954,16 +969,16 @@ class _NotGathered(torch.Tensor):
 
     @staticmethod
     def __new__(cls, spec, group: str):
-        t = torch.Tensor._make_subclass(cls, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
+        t = make_subclass(cls, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
         t._funcshard_where = (spec.fqn, group)
         return t
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA or getattr(func, "__name__", "") == "__get__":
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        fqn, group = next(a._funcshard_where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        fqn, group = next(a._funcshard_where for a in module_io_leaves((args, kwargs)) if isinstance(a, cls))
         raise ShardingError(
             f"parameter {fqn!r} (group {group!r}) was read by {getattr(func, '__name__', func)} outside its "
             f"group's forward, where it is not gathered. funcshard.apply gathers a group only around the forward "
@@ -1052,7 +1067,7 @@ class _GroupGather(torch.autograd.Function):
         if torch.is_grad_enabled():  # a backward with create_graph=True
             _warn_first_order()
         if ctx.token:
-            step.post_backward_deferred(ctx.name, grads, extra=torch._C._current_graph_task_id())
+            step.post_backward_deferred(ctx.name, grads, extra=current_graph_task_id())
             return (None, None, step.token_zero, *[None] * len(grads))
         return (None, None, None, *step.post_backward(ctx.name, grads))
 
@@ -1081,17 +1096,15 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 
 
 _GroupGatherEager = _old_style(_GroupGather)
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` outside torch.func transforms, for Functions without ``setup_context``: what
     ``Function.apply`` does there (the C++ apply; tensors left by an exited transform unwrapped by the caller:
-    ``_unwrap_if_dead``), without its per-call Python (~5 us)."""
-    if _FUNCTION_APPLY is None:  # (a torch without it: the Python path)
+    ``unwrap_if_dead``), without its per-call Python (~5 us)."""
+    if function_base_apply is None:  # (a torch without it: the Python path)
         return fn.apply(*args)
-    return _FUNCTION_APPLY.__get__(None, fn)(*args)
+    return function_base_apply.__get__(None, fn)(*args)
 
 
 def _pack_view(t: torch.Tensor) -> torch.Tensor:
@@ -1102,16 +1115,13 @@ def _unpack_view(t: torch.Tensor) -> torch.Tensor:
     return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
 
 
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
 def _no_saved_hooks() -> bool:
     """No saved-tensor hooks are in effect: then a Function's outputs are saved as they are, without a reference
     to their node, and no _saving_views is needed. (False when that cannot be told.)"""
-    if _top_saved_hooks is None:
+    if top_saved_tensors_default_hooks is None:
         return False
     try:
-        return _top_saved_hooks(False) is None
+        return top_saved_tensors_default_hooks(False) is None
     except (RuntimeError, TypeError):
         return False
 
@@ -1130,6 +1140,3 @@ def _saving_views():
         yield
     finally:
         cm.__exit__(None, None, None)
-
-
-_functorch_level = torch._C._functorch.maybe_current_level

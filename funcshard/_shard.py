@@ -16,6 +16,7 @@ from funcshard._collectives import (
     raw,
     reduce_scatter_grads,
 )
+from funcshard._compat import is_batchedtensor
 from funcshard._plan import Plan, _mesh_str, check_mesh, module_params
 from funcshard._spec import ShardingError
 
@@ -149,7 +150,7 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     """
     check_state(plan, state)
     check_mesh(plan.mesh)
-    if not any(torch._C._functorch.is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
+    if not any(is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
         check_transforms("funcshard.gather")
     from funcshard._runtime import _layouts
 

@@ -25,16 +25,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import no_grad, raw_grads
+from funcshard._compat import (
+    buffer_slots,
+    current_graph_task_id,
+    dtensor_local,
+    dtensor_spec,
+    new_dtensor,
+    param_slots,
+    post_accumulate_grad_hooks,
+)
 from funcshard._plan import ROOT, Plan, check_mesh
 from funcshard._plan import plan as make_plan
 from funcshard._runtime import Step, _Status
 from funcshard._spec import ShardSpec
+from funcshard._tree import module_io_map_only
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -157,13 +166,8 @@ class _Param:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient with the parameter's DTensor spec, built directly (``from_local`` runs an autograd
         Function and rebuilds the spec: ~70 us per parameter per step)."""
-        return _new_dtensor(DTensor, local, self.param._spec, requires_grad=False)
+        return new_dtensor(DTensor, local, dtensor_spec(self.param), requires_grad=False)
 
-
-# DTensor's constructor is this C++ function plus an ``__init__`` that does nothing but pass through two
-# decorators (dynamo-disable, export marking): ~1.5 us of the ~2.3 per gradient. Call it directly where it is.
-_new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) is DTensor.__new__ else (
-    lambda cls, *args, **kwargs: cls(*args, **kwargs))
 
 
 class _Unit:
@@ -394,9 +398,9 @@ class _Step(Step):
                 if grad is None:
                     param.grad = r.grad_dtensor(o)
                 else:  # (its local tensor: DTensor.to_local runs an autograd Function)
-                    grad._local_tensor.add_(o)
-                if param._post_accumulate_grad_hooks:
-                    for hook in param._post_accumulate_grad_hooks.values():
+                    dtensor_local(grad).add_(o)
+                if hooks := post_accumulate_grad_hooks(param):
+                    for hook in hooks.values():
                         hook(param)
 
     def _release_frozen(self, name: str) -> None:
@@ -439,7 +443,7 @@ def _no_inference_tensors(fn):
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 @_no_inference_tensors
@@ -455,8 +459,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         ctx.fwd_root = unit
         ctx.begin()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
-            moved = pytree.tree_map_only(torch.Tensor, lambda t: t.to(_device_of(unit.mesh)),
-                                                      (args, kwargs))
+            moved = module_io_map_only(torch.Tensor, lambda t: t.to(_device_of(unit.mesh)), (args, kwargs))
     step = ctx.step
     if name is not None:
         if not step.pending.get(name):
@@ -498,7 +501,7 @@ def _resync(unit: _Unit) -> None:
     changed = False
     for r in unit.params:
         mod, attr = r.slots[0]
-        cur = mod._parameters[attr]
+        cur = param_slots(mod)[attr]
         if not isinstance(cur, DTensor):
             raise TypeError(f"fully_shard: {unit.name()}.{attr} was replaced by a {type(cur).__name__}; "
                             f"managed parameters must stay DTensors (load a sharded state dict instead)")
@@ -519,7 +522,7 @@ def _resync(unit: _Unit) -> None:
         except RuntimeError:
             pass
         for m, a in r.slots:
-            m._parameters[a] = new
+            param_slots(m)[a] = new
         setattr(new, _OWNER, unit)
         r.param, changed = new, True
     if changed and unit.ctx is not None:
@@ -746,14 +749,16 @@ def fully_shard(
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)
         for m in managed:
-            for attr, q in m._parameters.items():
+            held = param_slots(m)
+            for attr, q in held.items():
                 if q is p:
-                    m._parameters[attr] = r.param
+                    held[attr] = r.param
                     r.slots.append((m, attr))
     for m in managed:
-        for k, b in m._buffers.items():
+        buffers = buffer_slots(m)
+        for k, b in buffers.items():
             if b is not None and b.device != device and not b.is_meta:
-                m._buffers[k] = b.to(device)
+                buffers[k] = b.to(device)
     for u in nested:
         u.parent = unit
         if u.ctx is not None:
@@ -794,7 +799,7 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
     call = "fully_shard(" + ", ".join(_cls_name(m) for m in modules) + ")"
     params, seen = [], set()
     for m in managed:
-        for attr, p in m._parameters.items():
+        for attr, p in param_slots(m).items():
             if p is None or p in ignored or id(p) in seen:
                 continue
             path = prefix[id(m)] + attr
