@@ -18,17 +18,29 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
+from funcshard._compat import (
+    DisableFuncTorch,
+    TransformType,
+    all_gather_name,
+    chunk_cat,
+    dispatch_keys,
+    foreach_copy_,
+    get_interpreter_stack,
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
+    reduce_scatter_name,
+    unflatten_dense_tensors,
+)
 from funcshard._schedule import bucket_sizes
 from funcshard._spec import ShardSpec
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce"]
 
-# torch 2.13 renamed the tensor collectives; keep working on older releases. Looked up on every call, so
-# that tools which wrap torch.distributed's functions (collective counters, tracers) see ours.
-_AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+# torch 2.13 renamed the tensor collectives; keep working on older releases (the names: _compat). Looked up on
+# every call, so that tools which wrap torch.distributed's functions (collective counters, tracers) see ours.
+_AG_NAME = all_gather_name
+_RS_NAME = reduce_scatter_name
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
@@ -66,7 +78,7 @@ def no_grad():
 
 def no_functorch():
     """In-place and communication work inside a backward under a functorch transform runs with functorch off."""
-    return torch._C._DisableFuncTorch()
+    return DisableFuncTorch()
 
 
 def check_transforms(what: str) -> None:
@@ -75,11 +87,11 @@ def check_transforms(what: str) -> None:
     Its backward reduce-scatters plain tensors, so an outer transform would see no dependence (nested grad:
     wrong second derivatives) or per-example gradients folded into one (vmap over grad). Refuse instead.
     """
-    stack = torch._C._functorch.get_interpreter_stack()
+    stack = get_interpreter_stack()
     if not stack:
         return
     kinds = [i.key() for i in stack]
-    if len(kinds) == 1 and kinds[0] in (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
+    if len(kinds) == 1 and kinds[0] in (TransformType.Grad, TransformType.Jvp):
         return
     names = " inside ".join(str(k).rsplit(".", 1)[-1].lower() for k in reversed(kinds))
     raise NotImplementedError(
@@ -93,8 +105,8 @@ def check_transforms(what: str) -> None:
 def check_backward_transforms(what: str) -> None:
     """The same rule for the backward: a vjp function called under vmap (torch.func.jacrev, vmap over
     vjp_fn) hands the sharded gather batched cotangents, which its reduce-scatter would fold together."""
-    stack = torch._C._functorch.get_interpreter_stack()
-    if stack and any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack):
+    stack = get_interpreter_stack()
+    if stack and any(i.key() == TransformType.Vmap for i in stack):
         raise NotImplementedError(
             f"the backward of {what} ran under vmap (torch.func.jacrev or jacfwd over it, or vmap over a vjp "
             f"function): batched cotangents through the sharded gather are not built yet. Call the vjp function "
@@ -107,7 +119,7 @@ def check_batched_grads(what: str, grads) -> None:
     """Plain autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True)) hands the sharded
     gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's."""
     g = next((g for g in grads if g is not None), None)
-    if g is not None and "Batched" in repr(torch._C._dispatch_keys(g)):  # (the key is not in Python's enum)
+    if g is not None and "Batched" in repr(dispatch_keys(g)):  # (the key is not in Python's enum)
         raise NotImplementedError(
             f"the backward of {what} got batched gradients (torch.autograd.grad(..., is_grads_batched=True)): "
             f"batched cotangents through the sharded gather are not built yet; call torch.autograd.grad once per "
@@ -366,7 +378,7 @@ class PendingGather:
                 srcs.append(c.view(lay.world, *lay.specs[i].local_shape))
         if dsts:
             with no_grad():
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy_(dsts, srcs)
         free_buffers(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
 
@@ -457,7 +469,7 @@ class PendingReduce:
                 if divide != 1.0:
                     out.div_(divide)
                 # the shards are consecutive in the output (flat layout: the pieces of this rank's slice)
-                for i, piece in zip(ix, torch._C._nn.unflatten_dense_tensors(out, layout.shard_templates[dt])):
+                for i, piece in zip(ix, unflatten_dense_tensors(out, layout.shard_templates[dt])):
                     result[i] = piece
         return result  # type: ignore[return-value]
 
@@ -481,16 +493,16 @@ def start_reduce_scatter(
                 elif grads[i].layout is not torch.strided:
                     grads[i] = grads[i].to_dense()  # e.g. nn.Embedding(sparse=True): shards are dense slices
             # dim-0 shards: torch._chunk_cat writes the padded rank-major layout (padding included) in one op
-            chunk_cat = layout.dim0[dt] and not missing and all(grads[i].is_contiguous() and grads[i].numel()
-                                                               for i in ix)
-            alloc = torch.zeros if (layout.has_padding[dt] or missing) and not chunk_cat else torch.empty
+            one_op = layout.dim0[dt] and not missing and all(grads[i].is_contiguous() and grads[i].numel()
+                                                             for i in ix)
+            alloc = torch.zeros if (layout.has_padding[dt] or missing) and not one_op else torch.empty
             inp = alloc(world * n, dtype=dt, device=device)
             dsts, srcs = [], []
-            if chunk_cat:
+            if one_op:
                 gs = [grads[i] for i in ix]
                 if layout.scalar[dt]:
                     gs = [g.view(layout.specs[i].sharded_shape) for i, g in zip(ix, gs)]
-                torch._chunk_cat(gs, dim=0, num_chunks=world, out=inp.view(world, n))
+                chunk_cat(gs, dim=0, num_chunks=world, out=inp.view(world, n))
                 gs = None
             elif layout.flat:
                 for i in ix:
@@ -504,7 +516,7 @@ def start_reduce_scatter(
                         spec = layout.specs[i]
                         _per_param_grad_copies(spec, c.view(world, *spec.local_shape), grads[i], dsts, srcs)
             if dsts:
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy_(dsts, srcs)
             dsts = srcs = g = None  # (g: the flat branch's loop variable holds the last gradient)
             for i in ix:
                 grads[i] = None

@@ -13,8 +13,10 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 import torch
+
+from funcshard._compat import get_interpreter_stack
+from funcshard._tree import tree_flatten_with_path, tree_map_only, tree_unflatten
 
 
 def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
@@ -36,13 +38,13 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
             if not -len(args) <= n < len(args):
                 raise TypeError(f"value_and_grad: argnums={argnums!r} but {fn.__name__} got {len(args)} "
                                 f"positional argument(s); pass the differentiated arguments positionally")
-        if torch._C._functorch.get_interpreter_stack():  # inside a torch.func transform: compose with it
+        if get_interpreter_stack():  # inside a torch.func transform: compose with it
             grads, value = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
             return value, grads
         args = list(args)
         inputs, specs = [], []
         for n in nums:
-            paths, leaves, spec = optree.tree_flatten_with_path(args[n])
+            paths, leaves, spec = tree_flatten_with_path(args[n])
             for path, leaf in zip(paths, leaves):
                 if not isinstance(leaf, torch.Tensor) or not (leaf.is_floating_point() or leaf.is_complex()):
                     what = type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else f"a {leaf.dtype} tensor"
@@ -52,7 +54,7 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
                         f"another, non-differentiated argument)")
             # (an inference tensor, e.g. made under torch.inference_mode, cannot take a gradient: copy it)
             leaves = [(leaf.clone() if leaf.is_inference() else leaf.detach()).requires_grad_() for leaf in leaves]
-            args[n] = optree.tree_unflatten(spec, leaves)
+            args[n] = tree_unflatten(spec, leaves)
             inputs.append(leaves)
             specs.append(spec)
         with torch.enable_grad():
@@ -76,11 +78,11 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
             grads = tuple(torch.zeros_like(leaf) for leaf in flat)
         out_grads, k = [], 0
         for leaves, spec in zip(inputs, specs):
-            out_grads.append(optree.tree_unflatten(spec, list(grads[k : k + len(leaves)])))
+            out_grads.append(tree_unflatten(spec, list(grads[k : k + len(leaves)])))
             k += len(leaves)
         value = value.detach()
         if has_aux:
-            value = (value, optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux))
+            value = (value, tree_map_only(torch.Tensor, lambda t: t.detach(), aux))
         return value, (out_grads[0] if isinstance(argnums, int) else tuple(out_grads))
 
     return wrapped

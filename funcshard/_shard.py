@@ -16,6 +16,7 @@ from funcshard._collectives import (
     raw,
     reduce_scatter_grads,
 )
+from funcshard._compat import is_batchedtensor
 from funcshard._layout import expected_shards, layouts
 from funcshard._mesh import check_mesh, mesh_str
 from funcshard._plan import Plan, module_params
@@ -148,7 +149,7 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     """
     check_state(plan, state)
     check_mesh(plan.mesh)
-    if not any(torch._C._functorch.is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
+    if not any(is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
         check_transforms("funcshard.gather")
     lay = layouts(plan)
     pg = plan.mesh.get_group(plan.shard_axis)

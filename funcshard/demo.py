@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard
 from funcshard import optim
+from funcshard._tree import tree_leaves
 
 
 class Block(nn.Module):
@@ -128,7 +129,7 @@ def train(args) -> None:
     last = mean_loss.item()
     shard_bytes = sum(t.numel() * t.element_size() for t in state.values())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt_bytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(opt_state)
+    opt_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(opt_state)
                     if isinstance(t, torch.Tensor))
     peak_unsharded = max(
         sum(math.prod(plan.specs[p].padded_shape) * plan.specs[p].dtype.itemsize for p in g.params)

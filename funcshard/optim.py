@@ -70,9 +70,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Union
 
-import optree
 import torch
 import torch.distributed as dist
+
+from funcshard._compat import (
+    foreach_add,
+    foreach_add_,
+    foreach_addcmul_,
+    foreach_copy_,
+    foreach_div,
+    foreach_div_,
+    foreach_lerp,
+    foreach_lerp_,
+    foreach_mul,
+    foreach_mul_,
+    foreach_norm,
+    foreach_sqrt,
+)
+from funcshard._tree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
     "GradientTransformation",
@@ -98,8 +113,6 @@ __all__ = [
     "adamw",
     "apply_updates",
 ]
-
-_NAMESPACE = "funcshard"
 
 PyTree = Any
 Schedule = Callable[[int], Union[float, torch.Tensor]]
@@ -164,14 +177,6 @@ class ClipByGlobalNormState(NamedTuple):
 # --------------------------------------------------------------------------
 
 
-def _flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
-    return optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
-
-
-def _unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
-    return optree.tree_unflatten(spec, leaves)
-
-
 def _keystr(path: tuple[Any, ...]) -> str:
     if not path:
         return "<root>"
@@ -179,7 +184,7 @@ def _keystr(path: tuple[Any, ...]) -> str:
 
 
 def _paths(tree: PyTree) -> list[tuple[Any, ...]]:
-    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace=_NAMESPACE)
+    paths, _, _ = tree_flatten_with_path(tree)
     return paths
 
 
@@ -204,11 +209,11 @@ def _check_match(
     what: str,
     tree: PyTree,
     leaves: list[Any],
-    spec: optree.PyTreeSpec,
+    spec: TreeSpec,
     ref_what: str,
     ref_tree: PyTree,
     ref_leaves: list[Any],
-    ref_spec: optree.PyTreeSpec,
+    ref_spec: TreeSpec,
     fix: str,
 ) -> None:
     """Raise a helpful error unless ``tree`` has ``ref_tree``'s structure and shapes.
@@ -272,10 +277,10 @@ def _require_params(where: str, params: PyTree) -> None:
 
 
 def _zeros_like_tree(where: str, params: PyTree) -> PyTree:
-    leaves, spec = _flatten(params)
+    leaves, spec = tree_flatten(params)
     _check_tensor_leaves(where, "params", params, leaves)
     with torch.no_grad():
-        return _unflatten(spec, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
+        return tree_unflatten(spec, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
 
 
 def _check_nonneg(name: str, value: float, where: str) -> None:
@@ -314,14 +319,14 @@ def identity() -> GradientTransformation:
 
 
 def _scale_leaves(updates: PyTree, factor: float | torch.Tensor, donate: bool = False) -> PyTree:
-    leaves, spec = _flatten(updates)
+    leaves, spec = tree_flatten(updates)
     if not leaves:
         return updates
     with torch.no_grad():
         if donate:
-            torch._foreach_mul_(leaves, factor)
+            foreach_mul_(leaves, factor)
             return updates
-        return _unflatten(spec, torch._foreach_mul(leaves, factor))
+        return tree_unflatten(spec, foreach_mul(leaves, factor))
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -398,36 +403,36 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         del params
         donate = extra.get("donate", False)
         _check_state(where, state, ScaleByAdamState)
-        g, spec = _flatten(updates)
-        mu, mu_spec = _flatten(state.mu)
-        nu, _ = _flatten(state.nu)
+        g, spec = tree_flatten(updates)
+        mu, mu_spec = tree_flatten(state.mu)
+        nu, _ = tree_flatten(state.nu)
         _check_match(where, "updates", updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
         count = state.count + 1
         if not g:
             return updates, ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
         with torch.no_grad():
             if donate:  # the moments and the incoming updates are reused in place
-                torch._foreach_lerp_(mu, g, 1.0 - b1)
-                torch._foreach_mul_(nu, b2)
+                foreach_lerp_(mu, g, 1.0 - b1)
+                foreach_mul_(nu, b2)
             else:
-                mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-                nu = torch._foreach_mul(nu, b2)
-            torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
+                mu = foreach_lerp(mu, g, 1.0 - b1)
+                nu = foreach_mul(nu, b2)
+            foreach_addcmul_(nu, g, g, 1.0 - b2)
             bias_correction1 = 1.0 - b1**count
             bias_correction2_sqrt = (1.0 - b2**count) ** 0.5
-            denom = torch._foreach_sqrt(nu)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
+            denom = foreach_sqrt(nu)
+            foreach_div_(denom, bias_correction2_sqrt)
+            foreach_add_(denom, eps)
             if donate:
-                torch._foreach_copy_(g, mu)
-                torch._foreach_div_(g, denom)
+                foreach_copy_(g, mu)
+                foreach_div_(g, denom)
                 out = g
             else:
-                out = torch._foreach_div(mu, denom)
+                out = foreach_div(mu, denom)
             del denom
-            torch._foreach_div_(out, bias_correction1)
-        return _unflatten(spec, out), ScaleByAdamState(
-            count=count, mu=_unflatten(mu_spec, mu), nu=_unflatten(mu_spec, nu)
+            foreach_div_(out, bias_correction1)
+        return tree_unflatten(spec, out), ScaleByAdamState(
+            count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu)
         )
 
     return GradientTransformation(init_fn, update_fn)
@@ -452,17 +457,17 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         if weight_decay == 0.0:
             return updates, state
         _require_params(where, params)
-        u, spec = _flatten(updates)
-        p, p_spec = _flatten(params)
+        u, spec = tree_flatten(updates)
+        p, p_spec = tree_flatten(params)
         _check_match(where, "updates", updates, u, spec, "params", params, p, p_spec, _FIX_PARAMS)
         if not u:
             return updates, state
         with torch.no_grad():
             if extra.get("donate", False):
-                torch._foreach_add_(u, p, alpha=weight_decay)
+                foreach_add_(u, p, alpha=weight_decay)
                 return updates, state
-            out = torch._foreach_add(u, p, alpha=weight_decay)
-        return _unflatten(spec, out), state
+            out = foreach_add(u, p, alpha=weight_decay)
+        return tree_unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -488,30 +493,30 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
         del params
         donate = extra.get("donate", False)
         _check_state(where, state, TraceState)
-        g, spec = _flatten(updates)
-        buf, buf_spec = _flatten(state.trace)
+        g, spec = tree_flatten(updates)
+        buf, buf_spec = tree_flatten(state.trace)
         _check_match(where, "updates", updates, g, spec, "optimizer state", state.trace, buf, buf_spec, _FIX_STATE)
         if not g:
             return updates, TraceState(count=state.count + 1, trace=state.trace)
         with torch.no_grad():
             if state.count == 0:
-                buf = torch._foreach_add(g, 0)  # a copy, like torch's grad.detach().clone()
+                buf = foreach_add(g, 0)  # a copy, like torch's grad.detach().clone()
             elif donate:
-                torch._foreach_mul_(buf, decay)
-                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+                foreach_mul_(buf, decay)
+                foreach_add_(buf, g, alpha=1.0 - dampening)
             else:
-                buf = torch._foreach_mul(buf, decay)
-                torch._foreach_add_(buf, g, alpha=1.0 - dampening)
+                buf = foreach_mul(buf, decay)
+                foreach_add_(buf, g, alpha=1.0 - dampening)
             if donate:  # the returned updates reuse g, never the state (later transforms scale them in place)
                 if nesterov:
-                    torch._foreach_add_(g, buf, alpha=decay)
+                    foreach_add_(g, buf, alpha=decay)
                 else:
-                    torch._foreach_copy_(g, buf)
+                    foreach_copy_(g, buf)
                 out = g
             else:
-                out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
-        new_state = TraceState(count=state.count + 1, trace=_unflatten(buf_spec, buf))
-        return _unflatten(spec, out), new_state
+                out = foreach_add(g, buf, alpha=decay) if nesterov else buf
+        new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
+        return tree_unflatten(spec, out), new_state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -551,7 +556,7 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
 
     def update_fn(updates, state, params=None, **extra):
         del params
-        leaves, spec = _flatten(updates)
+        leaves, spec = tree_flatten(updates)
         if not leaves:
             return updates, state
         try:
@@ -561,7 +566,7 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             _check_tensor_leaves(where, "updates", updates, leaves)
             raise
         with torch.no_grad():
-            norms = torch._foreach_norm(leaves, 2, dtype=acc)
+            norms = foreach_norm(leaves, 2, dtype=acc)
             device = leaves[0].device
             if len(devices) > 1:
                 norms = [n.to(device) for n in norms]
@@ -574,11 +579,11 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             if len(devices) > 1:
                 out = [u * clip_coef.to(u.device) for u in leaves]
             elif extra.get("donate", False):
-                torch._foreach_mul_(leaves, clip_coef)
+                foreach_mul_(leaves, clip_coef)
                 return updates, state
             else:
-                out = torch._foreach_mul(leaves, clip_coef)
-        return _unflatten(spec, out), state
+                out = foreach_mul(leaves, clip_coef)
+        return tree_unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -670,8 +675,8 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
     caller gives up ``params``, which are updated in place and returned.
     """
     where = "apply_updates"
-    p, spec = _flatten(params)
-    u, u_spec = _flatten(updates)
+    p, spec = tree_flatten(params)
+    u, u_spec = tree_flatten(updates)
     _check_match(
         where,
         "updates",
@@ -690,7 +695,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
         if any(a.dtype != b.dtype for a, b in zip(p, u)):
             u = [b.to(a.dtype) for a, b in zip(p, u)]
         if donate:
-            torch._foreach_add_(p, u)
+            foreach_add_(p, u)
             return params
-        new = torch._foreach_add(p, u)
-    return _unflatten(spec, new)
+        new = foreach_add(p, u)
+    return tree_unflatten(spec, new)

@@ -19,10 +19,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 
-from funcshard._runtime.part import Part
 from funcshard._collectives import no_functorch, raw_grads, start_reduce_scatter
+from funcshard._runtime.part import Part
+from funcshard._tree import module_io_leaves
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -192,4 +192,4 @@ class Recompute(Part):
 
 def grad_inputs(args: Any) -> list[torch.Tensor]:
     """The tensors in ``args`` (any pytree) that require grad."""
-    return [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    return [a for a in module_io_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from funcshard._compat import DisableTorchFunctionSubclass, make_subclass, param_slots
 from funcshard._plan import Group, Plan
 from funcshard._spec import ShardingError
+from funcshard._tree import module_io_leaves
 
 
 class _Slots:
@@ -50,9 +51,9 @@ class Binding:
         if views is None:
             return False
         if b.originals is None:
-            b.originals = [mod._parameters[attr] for mod, attr, _ in b.slots]
+            b.originals = [param_slots(mod)[attr] for mod, attr, _ in b.slots]
         for mod, attr, i in b.slots:
-            mod._parameters[attr] = views[i]
+            param_slots(mod)[attr] = views[i]
         b.swapped = True
         return True
 
@@ -61,18 +62,18 @@ class Binding:
         if not b.swapped:
             return
         for (mod, attr, _), orig in zip(b.slots, b.rest or b.originals):
-            mod._parameters[attr] = orig
+            param_slots(mod)[attr] = orig
         b.swapped = False
 
     def rest(self, name: str, placeholders: list | None) -> None:
         """What the group's slots hold while it is not swapped in (None: the module's own parameters)."""
         b = self.groups[name]
         if b.originals is None:
-            b.originals = [mod._parameters[attr] for mod, attr, _ in b.slots]
+            b.originals = [param_slots(mod)[attr] for mod, attr, _ in b.slots]
         b.rest = placeholders
         if not b.swapped:
             for (mod, attr, _), t in zip(b.slots, placeholders or b.originals):
-                mod._parameters[attr] = t
+                param_slots(mod)[attr] = t
 
 
 def slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
@@ -131,16 +132,16 @@ class NotGathered(torch.Tensor):
 
     @staticmethod
     def __new__(cls, spec, group: str):
-        t = torch.Tensor._make_subclass(cls, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
+        t = make_subclass(cls, torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
         t._funcshard_where = (spec.fqn, group)
         return t
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA or getattr(func, "__name__", "") == "__get__":
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        fqn, group = next(a._funcshard_where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        fqn, group = next(a._funcshard_where for a in module_io_leaves((args, kwargs)) if isinstance(a, cls))
         raise ShardingError(
             f"parameter {fqn!r} (group {group!r}) was read by {getattr(func, '__name__', func)} outside its "
             f"group's forward, where it is not gathered. funcshard.apply gathers a group only around the forward "

@@ -14,6 +14,7 @@ import enum
 import torch
 
 from funcshard._collectives import Buckets, free_buffers, no_functorch, no_grad, start_gather, unwrapped
+from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._plan import Group
 
 
@@ -138,4 +139,4 @@ def preserve_versions(tensors):
     """Hide in-place refills from autograd's version check (inference tensors have no versions)."""
     if any(t.is_inference() for t in tensors):
         return contextlib.nullcontext()
-    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+    return unsafe_preserve_version_counter(tuple(tensors))

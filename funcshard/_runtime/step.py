@@ -23,6 +23,13 @@ from typing import Any
 import torch
 
 from funcshard._collectives import no_functorch, raw_grads
+from funcshard._compat import (
+    TransformType,
+    current_graph_task_id,
+    get_interpreter_stack,
+    maybe_current_level,
+    queue_callback,
+)
 from funcshard._layout import layouts
 from funcshard._plan import ROOT, Plan
 from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
@@ -31,8 +38,8 @@ from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
-_graph_task_id = torch._C._current_graph_task_id
-_functorch_level = torch._C._functorch.maybe_current_level
+_graph_task_id = current_graph_task_id
+_functorch_level = maybe_current_level
 
 
 class _PlanFacts:
@@ -265,7 +272,7 @@ class Step:
         task = _graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
             self.backward_started, self.backward_task = True, task
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            queue_callback(self.end_of_backward)
 
     def recomputing(self) -> bool:
         """Inside this step's running backward (a backward that raised half-way leaves backward_started set; a
@@ -354,7 +361,7 @@ class Step:
                 self.binding.rest(g.name, facts.placeholders[g.name])
             self.fused_on = _single_grad_level() and any(t.requires_grad for t in self.state.values())
             self.relay.on = (not self.fused_on and torch.is_grad_enabled()
-                             and not torch._C._functorch.get_interpreter_stack())
+                             and not get_interpreter_stack())
             if self.fused_on:
                 self.fused.begin()
             self.gather_for_forward(ROOT)
@@ -401,8 +408,8 @@ def _remove(handles: list) -> None:
 
 
 def _single_grad_level() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack()
-    return stack is not None and len(stack) == 1 and stack[0].key() == torch._C._functorch.TransformType.Grad
+    stack = get_interpreter_stack()
+    return stack is not None and len(stack) == 1 and stack[0].key() == TransformType.Grad
 
 
 def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):

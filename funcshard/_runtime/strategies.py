@@ -25,8 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._runtime.part import Part
 from funcshard._collectives import check_backward_transforms, check_batched_grads, jvp_of_gather
+from funcshard._compat import (
+    current_graph_task_id,
+    function_base_apply,
+    top_saved_tensors_default_hooks,
+    unwrap_if_dead,
+    will_engine_execute_node,
+)
+from funcshard._runtime.part import Part
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -368,7 +375,7 @@ class Fused(Part):
                 continue
             v = ref() if isinstance(ref, weakref.ref) else ref
             if v is not None:
-                n += torch._C._will_engine_execute_node(v.grad_fn)
+                n += will_engine_execute_node(v.grad_fn)
             else:  # a later backward through the same graph, and the view object is gone: as in the last one
                 n += fs.ran is None or fs.ran[k]
         return n
@@ -439,9 +446,9 @@ class _StepGather(torch.autograd.Function):
 
 # ---- helpers ------------------------------------------------------------------------------------------------
 
-_graph_task_id = torch._C._current_graph_task_id
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__.get("apply")
+_graph_task_id = current_graph_task_id
+_unwrap_if_dead = unwrap_if_dead
+_FUNCTION_APPLY = function_base_apply
 
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -461,7 +468,7 @@ def _unpack_view(t: torch.Tensor) -> torch.Tensor:
     return t  # autograd puts the node back as the tensor's history (it was saved as the node's output)
 
 
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_top_saved_hooks = top_saved_tensors_default_hooks
 
 
 def _no_saved_hooks() -> bool:

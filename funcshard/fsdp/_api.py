@@ -13,15 +13,16 @@ import functools
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
 from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of
 from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy
 from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
+from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
 from funcshard.fsdp._units import UNIT, _Unit, cls_name, ctx_of, fsdp_class, unit_of
 
@@ -71,7 +72,7 @@ def _no_inference_tensors(fn):
 
 
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 @_no_inference_tensors
@@ -87,7 +88,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         ctx.fwd_root = unit
         ctx.begin().begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
-            moved = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
+            moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
     if name is not None:
         watched = ctx.step.module_pre_forward(name, module, moved[0] if moved is not None else args)
         if watched is not None:
@@ -120,7 +121,7 @@ def _resync(unit: _Unit) -> None:
     changed = False
     for r in unit.params:
         mod, attr = r.slots[0]
-        cur = mod._parameters[attr]
+        cur = param_slots(mod)[attr]
         if not isinstance(cur, DTensor):
             raise TypeError(f"fully_shard: {unit.name()}.{attr} was replaced by a {type(cur).__name__}; "
                             f"managed parameters must stay DTensors (load a sharded state dict instead)")
@@ -141,7 +142,7 @@ def _resync(unit: _Unit) -> None:
         except RuntimeError:
             pass
         for m, a in r.slots:
-            m._parameters[a] = new
+            param_slots(m)[a] = new
         setattr(new, _OWNER, unit)
         r.param, changed = new, True
     if changed and unit.ctx is not None:
@@ -362,14 +363,14 @@ def fully_shard(
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)
         for m in managed:
-            for attr, q in m._parameters.items():
+            for attr, q in param_slots(m).items():
                 if q is p:
-                    m._parameters[attr] = r.param
+                    param_slots(m)[attr] = r.param
                     r.slots.append((m, attr))
     for m in managed:
-        for k, b in m._buffers.items():
+        for k, b in buffer_slots(m).items():
             if b is not None and b.device != device and not b.is_meta:
-                m._buffers[k] = b.to(device)
+                buffer_slots(m)[k] = b.to(device)
     for u in nested:
         u.parent = unit
         if u.ctx is not None:
@@ -407,7 +408,7 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
     call = "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")"
     params, seen = [], set()
     for m in managed:
-        for attr, p in m._parameters.items():
+        for attr, p in param_slots(m).items():
             if p is None or p in ignored or id(p) in seen:
                 continue
             path = prefix[id(m)] + attr

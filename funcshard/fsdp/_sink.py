@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import no_grad
+from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
 from funcshard._spec import ShardSpec
 
 if TYPE_CHECKING:
@@ -57,13 +58,7 @@ class _Param:
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient with the parameter's DTensor spec, built directly (``from_local`` runs an autograd
         Function and rebuilds the spec: ~70 us per parameter per step)."""
-        return _new_dtensor(DTensor, local, self.param._spec, requires_grad=False)
-
-
-# DTensor's constructor is this C++ function plus an ``__init__`` that does nothing but pass through two
-# decorators (dynamo-disable, export marking): ~1.5 us of the ~2.3 per gradient. Call it directly where it is.
-_new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) is DTensor.__new__ else (
-    lambda cls, *args, **kwargs: cls(*args, **kwargs))
+        return new_dtensor(DTensor, local, dtensor_spec(self.param), requires_grad=False)
 
 
 class GradSink:
@@ -103,7 +98,7 @@ class GradSink:
                 if grad is None:
                     param.grad = r.grad_dtensor(o)
                 else:  # (its local tensor: DTensor.to_local runs an autograd Function)
-                    grad._local_tensor.add_(o)
-                if param._post_accumulate_grad_hooks:
-                    for hook in param._post_accumulate_grad_hooks.values():
+                    dtensor_local(grad).add_(o)
+                if hooks := post_accumulate_grad_hooks(param):
+                    for hook in hooks.values():
                         hook(param)

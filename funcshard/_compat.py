@@ -1,0 +1,119 @@
+"""Every private torch API funcshard uses, in one place (``tests/test_compat.py`` keeps it so).
+
+funcshard supports torch 2.11 to 2.13. A private name may move or go in any release: here each is looked up once,
+at import, and bound as a module attribute (the runtime's hot path calls them directly, with no wrapper of ours
+in between). A name every supported torch has is looked up with :func:`require`, which fails at import with an
+ImportError naming the API and the torch version; a name that some versions lack has its fallback next to it.
+
+Verified against torch 2.13 (installed) and the sources and ``torch/_C`` stubs of torch 2.11: every name below
+is present in both.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as _torch_pytree
+from torch.distributed.tensor import DTensor
+
+SUPPORTED = "2.11 to 2.13"
+
+
+def require(path: str):
+    """The object at the dotted ``path`` (``"torch._C._current_graph_task_id"``), or an ImportError that names
+    it and this torch's version."""
+    first, *parts = path.split(".")
+    if first != "torch":
+        raise ValueError(f"require: {path!r} is not a torch name")
+    obj, seen = torch, first
+    for part in parts:
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(
+                f"funcshard needs {path} (a private torch API), and torch {torch.__version__} has no {part!r} in "
+                f"{seen}; funcshard supports torch {SUPPORTED}") from None
+        seen = f"{seen}.{part}"
+    return obj
+
+
+# ---- functorch (torch.func transforms and their wrapped tensors) -----------------------------------------
+get_unwrapped = require("torch._C._functorch.get_unwrapped")  # the tensor under one functorch wrapper
+is_functorch_wrapped_tensor = require("torch._C._functorch.is_functorch_wrapped_tensor")
+is_batchedtensor = require("torch._C._functorch.is_batchedtensor")  # a vmap-batched tensor
+unwrap_if_dead = require("torch._C._functorch.unwrap_if_dead")  # unwrap a tensor left by an exited transform
+get_interpreter_stack = require("torch._C._functorch.get_interpreter_stack")  # the active transforms (or None)
+maybe_current_level = require("torch._C._functorch.maybe_current_level")  # the innermost level, or None
+TransformType = require("torch._C._functorch.TransformType")  # Grad, Jvp, Vmap, ... (an interpreter's key())
+DisableFuncTorch = require("torch._C._DisableFuncTorch")  # context manager: functorch off inside
+DisableTorchFunctionSubclass = require("torch._C.DisableTorchFunctionSubclass")  # context manager
+dispatch_keys = require("torch._C._dispatch_keys")  # a tensor's DispatchKeySet
+
+# ---- the autograd engine and Functions ----------------------------------------------------------------
+current_graph_task_id = require("torch._C._current_graph_task_id")  # the running backward's id, -1 outside
+will_engine_execute_node = require("torch._C._will_engine_execute_node")  # (inside backward) node runs?
+queue_callback = require("torch.autograd.Variable._execution_engine").queue_callback  # at the end of backward
+unsafe_preserve_version_counter = require("torch.autograd._unsafe_preserve_version_counter")  # context manager
+make_subclass = require("torch.Tensor._make_subclass")  # a tensor subclass instance sharing a tensor's data
+# The C++ ``Function.apply`` (without torch.autograd.Function.apply's per-call Python); None: use fn.apply.
+function_base_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+# The innermost saved-tensor hooks in effect (arg: ignore_is_tracing); None where torch lacks it.
+top_saved_tensors_default_hooks = getattr(require("torch._C._autograd"), "_top_saved_tensors_default_hooks", None)
+
+# ---- kernels --------------------------------------------------------------------------------------------
+chunk_cat = require("torch._chunk_cat")  # the padded rank-major concatenation of chunks, in one op
+unflatten_dense_tensors = require("torch._C._nn.unflatten_dense_tensors")  # views of a flat tensor
+foreach_add = require("torch._foreach_add")
+foreach_add_ = require("torch._foreach_add_")
+foreach_addcmul_ = require("torch._foreach_addcmul_")
+foreach_copy_ = require("torch._foreach_copy_")
+foreach_div = require("torch._foreach_div")
+foreach_div_ = require("torch._foreach_div_")
+foreach_lerp = require("torch._foreach_lerp")
+foreach_lerp_ = require("torch._foreach_lerp_")
+foreach_mul = require("torch._foreach_mul")
+foreach_mul_ = require("torch._foreach_mul_")
+foreach_norm = require("torch._foreach_norm")
+foreach_sqrt = require("torch._foreach_sqrt")
+
+# ---- torch's pytree (what modules' inputs and outputs are flattened with: it knows the node types libraries
+# register with torch, e.g. transformers' ModelOutput; funcshard's own pytrees use optree, see _tree.py) ---------
+torch_tree_leaves = _torch_pytree.tree_leaves
+torch_tree_map_only = _torch_pytree.tree_map_only
+
+# ---- nn.Module, Parameter and DTensor internals -----------------------------------------------------------
+# A module's own parameter slots (name -> Parameter or None) and buffer slots, as the dicts to read and write:
+# ``param_slots(m)[name] = t`` registers ``t`` without setattr's checks (the runtime swaps plain tensors in).
+param_slots = operator.attrgetter("_parameters")
+buffer_slots = operator.attrgetter("_buffers")
+# A tensor's post-accumulate-grad hooks (dict of hooks, or None): what autograd runs after accumulating .grad.
+post_accumulate_grad_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+dtensor_local = operator.attrgetter("_local_tensor")  # a DTensor's local tensor (to_local without autograd)
+dtensor_spec = operator.attrgetter("_spec")  # a DTensor's DTensorSpec (mesh, placements, shape, stride)
+# ``new_dtensor(DTensor, local, spec, requires_grad=...)``: DTensor's constructor is torch.Tensor._dtensor__new__
+# (C++) plus an ``__init__`` that does nothing but pass through two decorators (dynamo-disable, export marking):
+# ~1.5 us of the ~2.3 per gradient. Call it directly where it is; otherwise the constructor.
+new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) is DTensor.__new__ else (
+    lambda cls, *args, **kwargs: cls(*args, **kwargs))
+
+# ---- torch.distributed: renamed collectives (public names; chosen here with the other version differences) ---
+# torch 2.13 renamed the tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
+# -> reduce_scatter_single); older releases have only the old names.
+all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+__all__ = [
+    "SUPPORTED", "require",
+    "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
+    "maybe_current_level", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",
+    "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
+    "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",
+    "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcmul_", "foreach_copy_",
+    "foreach_div", "foreach_div_", "foreach_lerp", "foreach_lerp_", "foreach_mul", "foreach_mul_", "foreach_norm",
+    "foreach_sqrt",
+    "torch_tree_leaves", "torch_tree_map_only",
+    "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "new_dtensor",
+    "all_gather_name", "reduce_scatter_name",
+]
