@@ -32,6 +32,7 @@ from funcshard._compat import (
     reduce_scatter_name,
     unflatten_dense_tensors,
 )
+from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import bucket_sizes
 from funcshard._spec import ShardSpec
 
@@ -276,28 +277,38 @@ class Buckets:
     Flat layout: a bucket is the group's flat buffer; the all-gather output is the parameters themselves.
     """
 
-    def __init__(self, specs: Sequence[ShardSpec], only: Sequence[int] | None = None):
+    def __init__(self, specs: Sequence[ShardSpec], only: Sequence[int] | None = None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.specs = tuple(specs)
         self.world = specs[0].world if specs else 1
         self.flat = bool(specs) and specs[0].flat is not None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._subsets: dict[tuple[int, ...], Buckets] = {}
         keep = None if only is None else set(only)
+        # each parameter's compute dtype: what it is all-gathered and used in (its own, or param_dtype)
+        self.compute = tuple(compute_dtype(s.dtype, param_dtype) for s in self.specs)
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, s in enumerate(self.specs):
+        for i in range(len(self.specs)):
             if keep is None or i in keep:
-                by_dtype.setdefault(s.dtype, []).append(i)
-        self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())
+                by_dtype.setdefault(self.compute[i], []).append(i)
+        self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())  # keyed by compute dtype
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
         self.dim0 = {dt: not self.flat and all(self.specs[i].dim == 0 for i in ix) for dt, ix in self.buckets}
         # elements per rank of each bucket's collective, and whether padding is among them (the schedule's sizes)
-        sizes = bucket_sizes([self.specs[i] for _, ix in self.buckets for i in ix])
+        sizes = bucket_sizes([self.specs[i] for _, ix in self.buckets for i in ix], param_dtype)
         self.chunk = {dt: n for dt, (n, _) in sizes.items()}
         self.has_padding = {dt: pad for dt, (_, pad) in sizes.items()}
+        # the gradient's reduce-scatter dtype, and the shards' dtype it is cast back to (None: they differ within
+        # the bucket, e.g. fp32 and bf16 parameters both computing in bf16: cast piece by piece)
+        self.reduce = {dt: reduce_dtype_of(dt, reduce_dtype) for dt, _ in self.buckets}
+        origs = {dt: {self.specs[i].dtype for i in ix} for dt, ix in self.buckets}
+        self.shard_dtype = {dt: next(iter(o)) if len(o) == 1 else None for dt, o in origs.items()}
         # this rank's gradient shards, consecutive in the reduce-scatter output (flat layout: the parameters'
         # pieces of this rank's slice), as meta tensors for one-call views of it (torch's unflatten_dense_tensors;
         # a Python loop of views costs ~3 us a parameter)
         meta = torch.device("meta")
-        self.shard_templates = {dt: [torch.empty(self.specs[i].local_shape, dtype=dt, device=meta) for i in ix]
+        self.shard_templates = {dt: [torch.empty(self.specs[i].local_shape, dtype=self.shard_dtype[dt] or
+                                                 self.reduce[dt], device=meta) for i in ix]
                                 for dt, ix in self.buckets}
         # a 0-dim parameter's gradient is viewed as (1,) for torch._chunk_cat
         self.scalar = {dt: any(not self.specs[i].shape for i in ix) for dt, ix in self.buckets}
@@ -311,7 +322,8 @@ class Buckets:
             return self
         hit = self._subsets.get(index)
         if hit is None:
-            hit = self._subsets[index] = Buckets(self.specs, only=index)
+            hit = self._subsets[index] = Buckets(self.specs, only=index, param_dtype=self.param_dtype,
+                                                 reduce_dtype=self.reduce_dtype)
         return hit
 
     def new_buffers(self, device) -> list[torch.Tensor]:
@@ -322,7 +334,7 @@ class Buckets:
         the autograd views, of the group's other parameters alone."""
         if self.flat:
             return [torch.empty(self.world * self.chunk[dt], dtype=dt, device=device) for dt, _ in self.buckets]
-        return [torch.empty(s.padded_shape, dtype=s.dtype, device=device) for s in self.specs]
+        return [torch.empty(s.padded_shape, dtype=dt, device=device) for s, dt in zip(self.specs, self.compute)]
 
     def flat_shards(self, shards: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Per bucket, the local shards as 1-D views: the copy-in's inputs (a caller gathering the same shards
@@ -448,7 +460,7 @@ def reduce_scatter_grads(
 
     Consumes ``grads``: its entries are dropped once copied into the reduce-scatter input, before the output
     is allocated (as FSDP2 does), so that a caller holding no other reference frees the full gradients first."""
-    return start_reduce_scatter(layout, grads, group, device).finish(divide)
+    return start_reduce_scatter(layout, grads, group, device, divide).finish(divide)
 
 
 class PendingReduce:
@@ -463,22 +475,28 @@ class PendingReduce:
         result: list[torch.Tensor | None] = [None] * len(layout.specs)
         pending, self.pending = self.pending, []
         with no_grad():
-            for dt, ix, inp, out, work in pending:
+            for dt, ix, inp, out, work, before in pending:
                 work.wait()
                 free_buffers([inp])
-                if divide != 1.0:
-                    out.div_(divide)
+                after = divide / before  # (fp32, bf16: all of it; see _policy.divide_factors)
+                if after != 1.0:
+                    out.div_(after)  # in the reduce dtype, before the cast back (FSDP2's order)
+                shard_dtype = layout.shard_dtype[dt]
+                if shard_dtype is not None and out.dtype != shard_dtype:
+                    out = out.to(shard_dtype)
                 # the shards are consecutive in the output (flat layout: the pieces of this rank's slice)
                 for i, piece in zip(ix, unflatten_dense_tensors(out, layout.shard_templates[dt])):
-                    result[i] = piece
+                    result[i] = piece if piece.dtype == layout.specs[i].dtype else piece.to(layout.specs[i].dtype)
         return result  # type: ignore[return-value]
 
 
 def start_reduce_scatter(
-    layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device
+    layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device, divide: float = 1.0
 ) -> PendingReduce:
-    """Copy a group's full gradients into one reduce-scatter input per dtype and issue the reduce-scatters
-    (async); consumes ``grads`` (see ``reduce_scatter_grads``)."""
+    """Copy a group's full gradients into one reduce-scatter input per dtype (cast to the reduce dtype by the copy)
+    and issue the reduce-scatters (async); consumes ``grads`` (see ``reduce_scatter_grads``). ``divide``: the
+    factor ``finish`` will divide by; for a reduce dtype that risks overflow part of it is applied here, before
+    the sum (``_policy.divide_factors``)."""
     pending = []
     world = layout.world
     with no_grad():
@@ -496,8 +514,12 @@ def start_reduce_scatter(
             one_op = layout.dim0[dt] and not missing and all(grads[i].is_contiguous() and grads[i].numel()
                                                              for i in ix)
             alloc = torch.zeros if (layout.has_padding[dt] or missing) and not one_op else torch.empty
-            inp = alloc(world * n, dtype=dt, device=device)
+            rdt = layout.reduce[dt]
+            inp = alloc(world * n, dtype=rdt, device=device)
             dsts, srcs = [], []
+            if one_op and len({grads[i].dtype for i in ix}) > 1:  # e.g. accumulated fp32 beside fresh bf16
+                for i in ix:  # (torch._chunk_cat takes one dtype; the cast is exact or the copy's own)
+                    grads[i] = grads[i].to(rdt)
             if one_op:
                 gs = [grads[i] for i in ix]
                 if layout.scalar[dt]:
@@ -520,6 +542,9 @@ def start_reduce_scatter(
             dsts = srcs = g = None  # (g: the flat branch's loop variable holds the last gradient)
             for i in ix:
                 grads[i] = None
-            out = torch.empty(n, dtype=dt, device=device)
-            pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group)))
+            before, _ = divide_factors(divide, rdt)
+            if before != 1.0:
+                inp.div_(before)
+            out = torch.empty(n, dtype=rdt, device=device)
+            pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group), before))
     return PendingReduce(layout, pending)

@@ -1,4 +1,4 @@
-"""Per-plan layout facts, computed once per Plan object and kept beside it (not in it: a Plan is frozen data).
+"""Per-plan layout facts, computed once per Plan object (``Plan.derived``).
 
 ``layouts(plan)``: each group's ``Buckets`` (one flat bucket per dtype, parameters at fixed offsets: what the
 gather and the reduce-scatter move). ``expected_shards(plan)``: each parameter's local shard shape and dtype, for
@@ -7,26 +7,17 @@ gather and the reduce-scatter move). ``expected_shards(plan)``: each parameter's
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from funcshard._collectives import Buckets
 from funcshard._plan import Plan
 
-_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_EXPECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def layouts(plan: Plan) -> dict[str, Buckets]:
-    hit = _LAYOUTS.get(plan)
-    if hit is None:
-        hit = _LAYOUTS[plan] = {g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups}
-    return hit
+    return plan.derived("layouts", lambda plan: {
+        g.name: Buckets([plan.specs[p] for p in g.params], param_dtype=g.param_dtype, reduce_dtype=g.reduce_dtype)
+        for g in plan.groups})
 
 
 def expected_shards(plan: Plan) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    hit = _EXPECTED.get(plan)
-    if hit is None:
-        hit = _EXPECTED[plan] = {k: (torch.Size(s.local_shape), s.dtype) for k, s in plan.specs.items()}
-    return hit
+    return plan.derived("expected_shards", lambda plan: {k: (torch.Size(s.local_shape), s.dtype)
+                                                         for k, s in plan.specs.items()})

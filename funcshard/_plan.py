@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._schedule import label, schedule
 from funcshard._mesh import mesh_str, resolve_mesh
-from funcshard._policy import reshard_after_forward_default
+from funcshard._policy import check_mp_policy, reshard_after_forward_default
 from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
 
 __all__ = ["Group", "Plan", "plan"]
@@ -40,6 +40,10 @@ class Group:
         unshard_in_backward: gather the group again for its backward (False: its backward reads no parameters,
             e.g. an embedding's).
         grad_divide_factor: divide this group's summed gradients by this instead of ``Plan.divide_factor``.
+        param_dtype / reduce_dtype / output_dtype / cast_forward_inputs: mixed precision (``MixedPrecisionPolicy``'s
+            fields, FSDP2's semantics): floating parameters are all-gathered and used in ``param_dtype``, their
+            gradients reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and handed back in the shards'
+            dtype; the group's modules get floating inputs cast to ``param_dtype`` and outputs to ``output_dtype``.
     """
 
     name: str
@@ -49,6 +53,10 @@ class Group:
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     grad_divide_factor: float | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     @property
     def is_root(self) -> bool:
@@ -85,8 +93,18 @@ class Plan:
     backward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     grad_divide_factor: float | None = None
     layout: str = "per_param"
+    # what other modules derive from the plan (layouts, schedule, runtime facts): computed once per Plan object,
+    # kept with it (a new, edited plan starts empty), so nothing outside holds a plan or its module alive
+    _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- derived facts -------------------------------------------------------------------------
+    def derived(self, key: str, make: Callable[[Plan], Any]) -> Any:
+        """``make(self)``, computed once per plan object under ``key`` (the one per-plan cache)."""
+        hit = self._derived.get(key)
+        if hit is None:
+            hit = self._derived[key] = make(self)
+        return hit
+
     @property
     def world(self) -> int:
         return self.mesh.size(self.shard_axis)
@@ -114,7 +132,7 @@ class Plan:
         explicit list if it has one, else the next ``depth`` groups in the plan's order (backward: reversed).
         ``ran``: the order the groups' forwards actually ran in (backward prefetch follows it, as FSDP2 records
         it), when it is known. The one rule the runtime and the schedule both use."""
-        cache = self.__dict__.setdefault("_funcshard_prefetch_after", {})  # (immutable: edits make new plans)
+        cache = self.derived("prefetch_after", lambda _: {})
         key = (name, backward, ran)
         hit = cache.get(key)
         if hit is None:
@@ -155,8 +173,11 @@ class Plan:
         return [g.name for g in self.groups if g.name in seen] != list(names)
 
     def with_group(self, name: str, **changes: Any) -> Plan:
-        """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``."""
+        """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``, or
+        ``mp_policy=MixedPrecisionPolicy(...)`` for its four precision fields."""
         self.group(name)
+        if "mp_policy" in changes:
+            changes.update(_mp_fields(changes.pop("mp_policy"), f"group {name!r}"))
         groups = tuple(dataclasses.replace(g, **changes) if g.name == name else g for g in self.groups)
         return self.replace(groups=groups)
 
@@ -182,7 +203,9 @@ class Plan:
                 f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}" + "".join(
                     f", {k}={v}" for k, v in (("reshard_after_backward", g.reshard_after_backward),
                                               ("unshard_in_backward", g.unshard_in_backward),
-                                              ("grad_divide_factor", g.grad_divide_factor))
+                                              ("grad_divide_factor", g.grad_divide_factor),
+                                              ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
+                                              ("output_dtype", g.output_dtype))
                     if v is not None and v is not True)
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
@@ -218,6 +241,7 @@ def plan(
     backward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
     grad_divide_factor: float | None = None,
     layout: str = "per_param",
+    mp_policy: Any = None,
 ) -> Plan:
     """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
 
@@ -245,6 +269,8 @@ def plan(
             parameters of one dtype form one flat buffer split evenly over the ranks, so the all-gathered
             buffer *is* the parameters (no copy-out, no transient second copy of the group); local shards
             are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
+        mp_policy: a ``MixedPrecisionPolicy`` for every group (``plan.with_group(name, mp_policy=...)`` for one):
+            see :class:`Group`. Shards, gradients and optimizer state stay in the parameters' dtype.
     """
     mesh = resolve_mesh(mesh)
     shard_axis = mesh.ndim - 1
@@ -278,6 +304,9 @@ def plan(
     root_rsf = reshard_after_forward_default(reshard_after_forward, is_root=True)
     other_rsf = reshard_after_forward_default(reshard_after_forward, is_root=False)
     group_list = _make_groups(module, groups, named, root_rsf, other_rsf)
+    if mp_policy is not None:
+        precision = _mp_fields(mp_policy, "plan")
+        group_list = tuple(dataclasses.replace(g, **precision) for g in group_list)
     if layout == "flat":
         if shard_placement_fn is not None:
             raise ShardingError(
@@ -399,8 +428,22 @@ def _make_groups(
     return tuple(groups)
 
 
+def _mp_fields(policy: Any, where: str) -> dict[str, Any]:
+    check_mp_policy(policy, where)
+    return {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")}
+
+
 def _check_schedule(p: Plan) -> None:
     names = {g.name for g in p.groups}
+    for g in p.groups:
+        for f in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dt = getattr(g, f)
+            if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+                raise ShardingError(f"group {label(g.name)!r}: {f}={dt} is not a floating point dtype; mixed "
+                                    f"precision uses torch.bfloat16, torch.float16 or torch.float32 (None: no cast)")
+        if p.layout == "flat" and (g.param_dtype is not None or g.reduce_dtype is not None):
+            raise ShardingError(f"group {label(g.name)!r}: mixed precision with layout='flat' is not built yet (the "
+                                f"flat buffer is laid out in the parameters' dtype); use layout='per_param'")
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise ShardingError(
             f"prefetch depths must be >= 0, got forward {p.forward_prefetch}, backward {p.backward_prefetch}"

@@ -2,20 +2,37 @@
 
 ``MixedPrecisionPolicy`` / ``OffloadPolicy`` / ``CPUOffloadPolicy`` have torch's fields and defaults (the
 adapter accepts torch's classes too). ``reshard_after_forward_default``: the one rule for ``None``.
+
+Mixed precision, FSDP2's rules (torch 2.13), one function each:
+- ``compute_dtype``: a parameter is all-gathered and used in ``param_dtype`` if it is floating point (its shard,
+  what the optimizer updates, keeps its own dtype);
+- ``reduce_dtype_of``: its gradient is reduce-scattered in ``reduce_dtype``, default the compute dtype, then cast to
+  the shard's dtype;
+- ``divide_factors``: the divide by the gradient divide factor, all after the reduce-scatter in fp32 and bf16 (what
+  gloo's AVG and FSDP2's SUM + divide give, bit for bit), split before and after it for other reduce dtypes (fp16:
+  overflow), as FSDP2 splits it;
+- ``cast_floating``: forward inputs and outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "reshard_after_forward_default"]
+from funcshard._tree import module_io_map_only
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "cast_floating", "check_mp_policy",
+           "compute_dtype", "divide_factors", "reduce_dtype_of", "reshard_after_forward_default"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """torch's fields and defaults. Only the default (no casts) is built; other values raise."""
+    """torch's fields and defaults (``torch.distributed.fsdp.MixedPrecisionPolicy``): ``param_dtype`` for the
+    all-gather and the forward and backward compute, ``reduce_dtype`` for the gradient reduce-scatter (default:
+    ``param_dtype``), ``output_dtype`` for forward outputs, ``cast_forward_inputs`` to cast floating forward inputs to
+    ``param_dtype``. Sharded parameters and their gradients keep the parameters' own dtype."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -38,3 +55,50 @@ class CPUOffloadPolicy(OffloadPolicy):
 def reshard_after_forward_default(value: bool | None, *, is_root: bool) -> bool:
     """``None`` means True for every group but the root, which backward uses again at once (FSDP2's rule)."""
     return (not is_root) if value is None else bool(value)
+
+
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def check_mp_policy(policy: Any, where: str) -> None:
+    """Raise a clear error for a policy that is not a MixedPrecisionPolicy (ours or torch's) or names a dtype that
+    is not floating point. ``where``: the unit or group, for the message."""
+    if type(policy).__name__ != "MixedPrecisionPolicy" or not all(hasattr(policy, f) for f in _MP_FIELDS):
+        raise TypeError(f"{where}: mp_policy must be a MixedPrecisionPolicy (funcshard's or "
+                        f"torch.distributed.fsdp's), got {type(policy).__name__}; e.g. "
+                        f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    for f in _MP_FIELDS[:3]:
+        dt = getattr(policy, f)
+        if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+            raise ValueError(f"{where}: mp_policy.{f}={dt} is not a floating point dtype; mixed precision computes "
+                             f"and reduces in torch.bfloat16, torch.float16 or torch.float32 (None: no cast)")
+
+
+def compute_dtype(orig: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter of dtype ``orig`` is all-gathered and used in."""
+    return param_dtype if param_dtype is not None and orig.is_floating_point else orig
+
+
+def reduce_dtype_of(compute: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the gradient of a parameter computed in ``compute`` is reduce-scattered in."""
+    return reduce_dtype if reduce_dtype is not None and compute.is_floating_point else compute
+
+
+def divide_factors(factor: float, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """``(before, after)`` the reduce-scatter (sum), whose product is ``factor``. fp32 and bf16: all after. Other
+    dtypes (fp16) risk overflow: FSDP2's split, the largest power of two ``before`` with ``before <= factor /
+    before`` that divides ``factor``, the rest after."""
+    if reduce_dtype in (torch.float32, torch.bfloat16) or factor == 1.0:
+        return 1.0, factor
+    before = 1
+    while factor % before == 0 and factor / before > before:
+        before *= 2
+    return float(before), factor / before
+
+
+def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
+    """``tree`` with every floating point tensor of another dtype cast to ``dtype`` (FSDP2's input/output cast)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return module_io_map_only(torch.Tensor, cast, tree)

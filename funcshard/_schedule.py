@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from funcshard._policy import compute_dtype, reduce_dtype_of
 from funcshard._spec import ShardSpec
 
 if TYPE_CHECKING:
@@ -37,8 +37,10 @@ def label(name: str) -> str:
     return "<root>" if name == "" else name
 
 
-def bucket_sizes(specs: Sequence[ShardSpec]) -> dict[torch.dtype, tuple[int, bool]]:
-    """Per dtype (in order of first appearance), the size of the group's collective for the parameters ``specs``:
+def bucket_sizes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | None = None
+                 ) -> dict[torch.dtype, tuple[int, bool]]:
+    """Per compute dtype (``compute_dtype``: the parameter's, or ``param_dtype`` for a floating one under mixed
+    precision; in order of first appearance), the size of the group's collective for the parameters ``specs``:
     ``(elements per rank, whether padding is among them)``. The all-gather's input and the reduce-scatter's output
     have that many elements, their unsharded buffer ``world`` times as many.
 
@@ -46,7 +48,7 @@ def bucket_sizes(specs: Sequence[ShardSpec]) -> dict[torch.dtype, tuple[int, boo
     layout: the group's flat buffer of that dtype split evenly, ``ceil(total / world)``, padded at its end."""
     by_dtype: dict[torch.dtype, list[ShardSpec]] = {}
     for s in specs:
-        by_dtype.setdefault(s.dtype, []).append(s)
+        by_dtype.setdefault(compute_dtype(s.dtype, param_dtype), []).append(s)
     out: dict[torch.dtype, tuple[int, bool]] = {}
     for dt, ss in by_dtype.items():
         first = ss[0]
@@ -58,9 +60,11 @@ def bucket_sizes(specs: Sequence[ShardSpec]) -> dict[torch.dtype, tuple[int, boo
     return out
 
 
-def _unsharded_nbytes(specs: Sequence[ShardSpec]) -> int:
-    """Bytes of the parameters unsharded: padded per parameter (per-parameter layout), unpadded (flat layout)."""
-    return sum((s.numel if s.flat else math.prod(s.padded_shape)) * s.dtype.itemsize for s in specs)
+def _unsharded_nbytes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the parameters unsharded (in their compute dtype): padded per parameter (per-parameter layout),
+    unpadded (flat layout)."""
+    return sum((s.numel if s.flat else math.prod(s.padded_shape)) * compute_dtype(s.dtype, param_dtype).itemsize
+               for s in specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,22 +155,19 @@ class Schedule:
         return dict(self.group_nbytes)[group]
 
 
-_CACHE: weakref.WeakKeyDictionary[Plan, Schedule] = weakref.WeakKeyDictionary()
-
-
 def schedule(plan: Plan) -> Schedule:
     """The plan's step (made once per plan object: a Plan is immutable, an edited copy gets its own)."""
-    hit = _CACHE.get(plan)
-    if hit is None:
-        hit = _CACHE[plan] = _build(plan)
-    return hit
+    return plan.derived("schedule", _build)
 
 
-def _collectives(kind: str, name: str, specs: Sequence[ShardSpec]) -> tuple[Collective, ...]:
+def _collectives(kind: str, g, specs: Sequence[ShardSpec]) -> tuple[Collective, ...]:
+    """A group's collectives of one kind, one per compute dtype: all-gathers in the compute dtype, reduce-scatters
+    in the reduce dtype (``reduce_dtype_of``)."""
     if not specs:
         return ()
     world, axis = specs[0].world, specs[0].axis  # (a plan shards every parameter over one axis)
-    return tuple(Collective(kind, name, dt, n, world, axis) for dt, (n, _) in bucket_sizes(specs).items())
+    return tuple(Collective(kind, g.name, dt if kind == ALL_GATHER else reduce_dtype_of(dt, g.reduce_dtype), n,
+                            world, axis) for dt, (n, _) in bucket_sizes(specs, g.param_dtype).items())
 
 
 def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
@@ -183,8 +184,8 @@ def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
 
 def _build(plan: Plan) -> Schedule:
     specs = {g.name: [plan.specs[p] for p in g.params] for g in plan.groups}
-    gathers = {n: _collectives(ALL_GATHER, n, ss) for n, ss in specs.items()}
-    reduces = {n: _collectives(REDUCE_SCATTER, n, _reduced(ss)) for n, ss in specs.items()}
+    gathers = {g.name: _collectives(ALL_GATHER, g, specs[g.name]) for g in plan.groups}
+    reduces = {g.name: _collectives(REDUCE_SCATTER, g, _reduced(specs[g.name])) for g in plan.groups}
     ops: list[Op] = []
     gathered: set[str] = set()
     empty = {g.name for g in plan.groups if not g.params}
@@ -221,4 +222,4 @@ def _build(plan: Plan) -> Schedule:
                 gathered.discard(g.name)
     if root.name not in empty:
         ops.append(Op(REDUCE_SCATTER, root.name, kept(root), reduces[root.name]))
-    return Schedule(tuple(ops), tuple((n, _unsharded_nbytes(ss)) for n, ss in specs.items()))
+    return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups))

@@ -834,10 +834,11 @@ def _errors():
     tp.weight = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
     unbuilt = {
         "wrong_device": lambda: funcshard.fully_shard(fresh, mesh=fake_cuda),
-        "mixed_precision": lambda: funcshard.fully_shard(
-            fresh, mesh=mesh, mp_policy=funcshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-        "mixed_precision_torch_policy": lambda: funcshard.fully_shard(
-            fresh, mesh=mesh, mp_policy=torch_fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float32)),
+        "mp_int_param_dtype": lambda: funcshard.fully_shard(
+            fresh, mesh=mesh, mp_policy=funcshard.MixedPrecisionPolicy(param_dtype=torch.int32)),
+        "mp_complex_reduce_dtype": lambda: funcshard.fully_shard(
+            fresh, mesh=mesh, mp_policy=torch_fsdp.MixedPrecisionPolicy(reduce_dtype=torch.complex64)),
+        "mp_other_class": lambda: funcshard.fully_shard(fresh, mesh=mesh, mp_policy={"param_dtype": torch.bfloat16}),
         "cpu_offload": lambda: funcshard.fully_shard(fresh, mesh=mesh, offload_policy=funcshard.CPUOffloadPolicy()),
         "cpu_offload_torch_policy": lambda: funcshard.fully_shard(
             fresh, mesh=mesh, offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False)),
@@ -875,8 +876,12 @@ ERRORS = {
     "bad_prefetch": r"ValueError: Expects FSDPModule but got",
     "wrong_device": r"ValueError: fully_shard got a mesh of device type 'cuda', and this process has no cuda "
                     r"device; build the mesh for the device the model trains on",
-    "mixed_precision": r"NotImplementedError: mixed precision \(param_dtype=torch.bfloat16\) is not built yet",
-    "mixed_precision_torch_policy": r"NotImplementedError: mixed precision \(reduce_dtype=torch.float32\)",
+    "mp_int_param_dtype": r"ValueError: fully_shard\(MLP\): mp_policy.param_dtype=torch.int32 is not a floating "
+                          r"point dtype; mixed precision computes and reduces in torch.bfloat16",
+    "mp_complex_reduce_dtype": r"ValueError: fully_shard\(MLP\): mp_policy.reduce_dtype=torch.complex64 is not a "
+                               r"floating point dtype",
+    "mp_other_class": r"TypeError: fully_shard\(MLP\): mp_policy must be a MixedPrecisionPolicy \(funcshard's or "
+                      r"torch.distributed.fsdp's\), got dict",
     "cpu_offload": r"NotImplementedError: CPU offload \(CPUOffloadPolicy\) is not built yet",
     "cpu_offload_torch_policy": r"NotImplementedError: CPU offload",
     "hsdp": r"NotImplementedError: HSDP \(a 2-D \(replicate, shard\) mesh\) is not built yet",

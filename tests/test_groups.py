@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -151,3 +150,136 @@ def test_zero_dim_parameters_one_rule():
     assert re.search(r"scale: shape \(\) has no dim 1; shard_placement_fn must return a dim in \[-1, 0\]", bad), bad
     assert re.search(r"fully_shard doesn't support scalar parameters\. Change scale to a 1D tensor with numel "
                      r"equal to 1\.", fs), fs
+
+
+# ---- fully_shard: settings and unshard() while a step runs (review of the redesign) -------------------------
+
+
+class _Twice(nn.Module):
+    """``blk`` is used twice in one forward; ``mid`` runs between the two uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(7, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.blk = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 6))
+
+    def forward(self, x):
+        return self.out(self.blk(self.mid(self.blk(self.inp(x)))))
+
+
+def _local_full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _unshard_between_uses():
+    """``blk.unshard()`` from ``mid``'s pre-hook, between blk's two uses: its second use must record autograd
+    history again (it ran on the unshard()'s plain views, and its gradient was dropped)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+    torch.manual_seed(0)
+    ref = _Twice()
+    F.mse_loss(ref(x), y).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    out = []
+    for async_op in (False, True):
+        torch.manual_seed(0)
+        model = _Twice()
+        for m in (model.blk, model.mid, model):
+            funcshard.fully_shard(m, mesh=_mesh())
+        model.mid.register_forward_pre_hook(lambda mod, a: model.blk.unshard(async_op=async_op) and None)
+        F.mse_loss(model(x), y).backward()
+        rp = dict(ref.named_parameters())
+        out.append(max((_local_full(p.grad) - rp[n].grad).abs().max().item() for n, p in model.named_parameters()))
+    return out
+
+
+def test_unshard_between_two_uses_of_a_unit_keeps_its_gradient():
+    assert all(d < 1e-6 for d in run_ranks(2, _unshard_between_uses)[0])
+
+
+def _settings_during_a_step():
+    """Unit settings changed after the step began (after unshard() or after forward) apply to that step, as FSDP2
+    reads them when it uses them: the divide factor (with force-sum, which FSDP2 needs for it on gloo) and
+    reshard_after_backward, against torch's FSDP2."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    from models import MLP
+
+    def run(fs, when):
+        torch.manual_seed(0)
+        model = MLP(layers=2)
+        for b in model.blocks:
+            fs.fully_shard(b, mesh=_mesh())
+        fs.fully_shard(model, mesh=_mesh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for step in range(3):
+            if when == "after_unshard":
+                model.unshard()
+            x = torch.randn(4, 7, generator=g)
+            loss = model(x).square().mean()
+            for m in (model, *model.blocks):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(1.0 + step)
+            model.set_reshard_after_backward(step != 1)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [_local_full(p.detach()) for p in model.parameters()]
+
+    out = {}
+    for when in ("after_forward", "after_unshard"):
+        (la, pa), (lb, pb) = run(torch_fsdp, when), run(funcshard, when)
+        out[when] = (la == lb, max((a - b).abs().max().item() for a, b in zip(pa, pb)))
+    return out
+
+
+def test_settings_changed_during_a_step_apply_to_it():
+    for when, (same_losses, diff) in run_ranks(2, _settings_during_a_step)[0].items():
+        assert same_losses and diff == 0, (when, same_losses, diff)
+
+
+class _FrozenTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight.requires_grad_(False)
+
+    def forward(self, pair):
+        return self.lin(sum(pair))
+
+
+class _Prompted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.blk, self.post = nn.Linear(4, 4), _FrozenTuple(), nn.Linear(4, 4)
+
+    def forward(self, x, prompt):
+        return self.post(self.blk((prompt,))) + self.pre(x)
+
+
+def _hook_outlives_step():
+    """A group with a frozen weight whose input sits in a container is watched by a multi-grad hook on the input;
+    that hook may fire after its step is gone (a leaf reused by the next step): nothing to free, no error."""
+    torch.manual_seed(0)
+    model = _Prompted()
+    plan = funcshard.plan(model, _mesh(), groups=["blk"])
+    state = {k: v.detach().requires_grad_(plan.specs[k].requires_grad) for k, v in funcshard.shard(plan).items()}
+    prompt, x = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4)
+    for _ in range(3):
+        funcshard.apply(plan, state, x, prompt).sum().backward()
+    funcshard.apply(plan, state, x, prompt)  # output dropped: its step dies
+    (prompt * 2).sum().backward()  # the old hook on the leaf's graph does not fire for this, nor fail
+    return prompt.grad is not None
+
+
+def test_a_hook_outliving_its_step_does_nothing():
+    assert run_ranks(2, _hook_outlives_step) == [True, True]

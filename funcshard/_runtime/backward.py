@@ -42,7 +42,7 @@ class ReduceQueue(Part):
         step.frozen.grads_done(name)
         self.finish()
         with no_functorch():
-            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device)
+            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name))
 
     def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
         self.item = (name, pending, factor, sink, extra)
@@ -126,6 +126,8 @@ class FrozenRelease(Part):
         return tuple(new)
 
     def _inputs_done(self, name: str) -> None:
+        if self.step is None:  # (a hook that outlived its step: the step's buffers went with it)
+            return
         self.groups[name].inputs_left -= 1
         self.release(name)
 

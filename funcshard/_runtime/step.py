@@ -32,6 +32,7 @@ from funcshard._compat import (
 )
 from funcshard._layout import layouts
 from funcshard._plan import ROOT, Plan
+from funcshard._policy import cast_floating
 from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
 from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, slots
 from funcshard._runtime.buffers import GroupBuffers, Status
@@ -43,7 +44,7 @@ _functorch_level = maybe_current_level
 
 
 class _PlanFacts:
-    """What every step of one plan needs, computed once (kept beside the plan: a Plan is frozen data)."""
+    """What every step of one plan needs, computed once per plan (``Plan.derived``)."""
 
     def __init__(self, plan: Plan):
         self.slots = {g.name: slots(plan, g) for g in plan.groups}
@@ -54,14 +55,8 @@ class _PlanFacts:
         self.order_warned = False
 
 
-_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _facts(plan: Plan) -> _PlanFacts:
-    hit = _FACTS.get(plan)
-    if hit is None:
-        hit = _FACTS[plan] = _PlanFacts(plan)
-    return hit
+    return plan.derived("runtime", _PlanFacts)
 
 
 class Step:
@@ -138,8 +133,22 @@ class Step:
         """Put the gathered (unpadded) parameters on the module, outside autograd (``unshard()``)."""
         gb = self.groups[name]
         if gb.status is Status.GATHERED and not self.binding.groups[name].swapped:
-            self.binding.groups[name].views, self.nodes.groups[name].node = gb.views(), None
+            ns = self.nodes.groups[name]
+            self.binding.groups[name].views, ns.node = gb.views(), None
+            ns.views_grad = False  # (no autograd history: a use with grad gathers through a node again)
             self.swap_in(name)
+
+    def retarget(self, plan: Plan) -> None:
+        """Take the settings of an edited plan of the same groups (``fully_shard``'s ``set_*`` calls while a step
+        runs: they apply at once, as FSDP2 reads them when it uses them)."""
+        mine = [g.name for g in self.plan.groups]
+        if {g.name: g.params for g in plan.groups} != {g.name: g.params for g in self.plan.groups}:
+            raise ValueError("Step.retarget: the plan has other groups; a new step is needed")
+        if [g.name for g in plan.groups] != mine:  # (the step keeps its order: the whole-step gather's inputs)
+            plan = plan.with_order(mine[1:])
+        self.plan = plan
+        for g in plan.groups:
+            self.groups[g.name].group = g
 
     def carry_over(self, old: Step) -> None:
         """Groups the last step left gathered (the root after forward, reshard_after_backward=False, unshard())
@@ -167,17 +176,28 @@ class Step:
     def begin_forward(self) -> None:
         self.in_forward = True
 
-    def module_pre_forward(self, name: str, module: Any, args: tuple) -> tuple | None:
-        """A module of group ``name`` starts its forward. Returns new args (or None: unchanged)."""
+    def module_pre_forward(self, name: str, module: Any, args: tuple, kwargs: dict | None = None
+                           ) -> tuple[tuple, dict] | None:
+        """A module of group ``name`` starts its forward. Returns new ``(args, kwargs)`` (or None: unchanged):
+        floating inputs cast to the group's ``param_dtype`` (``cast_forward_inputs``), inputs watched for a group
+        with frozen parameters."""
+        group = self.groups[name].group
+        cast = group.param_dtype is not None and group.cast_forward_inputs
+        if cast:
+            args, kwargs = cast_floating(group.param_dtype, (args, kwargs or {}))
         if self.in_forward:
             first = name not in self.tracker.used
-            self.tracker.enter(name)
+            opened = self.tracker.enter(name)
             if (first or self.groups[name].status is not Status.GATHERED  # first use, or again after a reshard
                     or (torch.is_grad_enabled() and not self.nodes.groups[name].views_grad)):  # or used under no_grad
                 self.gather_for_forward(name)
+            elif opened:  # used again, still gathered: its forward prefetch runs again as on its first use
+                self.prefetcher.after(name, backward=False)
             self.swap_in(name)
-            return self.frozen.watch_inputs(name, args)
-        if _graph_task_id() != -1:
+            watched = self.frozen.watch_inputs(name, args)
+            if watched is not None:
+                return watched, kwargs or {}
+        elif _graph_task_id() != -1:
             if self.recomputing() or self.recompute_nested:  # activation-checkpoint recomputation in backward
                 self.recompute.run(name, args)
             elif self.backward_started:
@@ -186,17 +206,20 @@ class Step:
                     f"reentrant one: torch.utils.checkpoint(..., use_reentrant=True) runs a backward of its own); "
                     f"funcshard.apply supports reentrant checkpointing around or over whole groups, not nested in "
                     f"another checkpointed region: use use_reentrant=False for the outer one")
-        return None
+        return (args, kwargs) if cast else None
 
     def module_post_forward(self, name: str, module: Any, output: Any) -> Any:
-        """A module of group ``name`` finished its forward. Returns the output (hooked for backward)."""
+        """A module of group ``name`` finished its forward. Returns the output (hooked for backward, then cast to
+        the group's ``output_dtype``)."""
         if self.in_forward:
             if self.tracker.exit(name, module):
-                return self.post_forward(name, output)
-            return self.wrap_for_backward(name, output)
-        if self.recomputing():  # recomputation: the group stays gathered until its post-backward
+                output = self.post_forward(name, output)
+            else:
+                output = self.wrap_for_backward(name, output)
+        elif self.recomputing():  # recomputation: the group stays gathered until its post-backward
             self.swap_out(name)
-        return output
+        dtype = self.groups[name].group.output_dtype
+        return output if dtype is None else cast_floating(dtype, output)
 
     def gather_for_forward(self, name: str) -> None:
         self.swap_out(name)  # (parameters registered by unshard() make way for autograd-visible ones)
@@ -346,7 +369,7 @@ class Step:
             pre, post = _make_pre_hook(self, g.name), _make_post_hook(self, g.name)
             for path in g.modules:
                 mod = plan.module.get_submodule(path)
-                handles.append(mod.register_forward_pre_hook(pre, prepend=True))
+                handles.append(mod.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
                 handles.append(mod.register_forward_hook(post, always_call=True))
         weakref.finalize(self, _remove, handles)
         if _graph_task_id() == -1:  # not a recomputation inside some backward
@@ -367,6 +390,9 @@ class Step:
             self.gather_for_forward(ROOT)
             self.swap_in(ROOT)
             self.begin_forward()
+            root = plan.groups[0]
+            if root.param_dtype is not None and root.cast_forward_inputs:
+                args, kwargs = cast_floating(root.param_dtype, (args, kwargs))
             out = plan.module(*args, **kwargs)
         except BaseException:
             _remove(handles)
@@ -385,7 +411,9 @@ class Step:
         self.end_forward()
         if plan.order_differs(self.prefetcher.order):
             _warn_order(plan, facts, self.prefetcher.order)
-        return self.wrap_for_backward(ROOT, out)
+        out = self.wrap_for_backward(ROOT, out)
+        dtype = plan.groups[0].output_dtype
+        return out if dtype is None else cast_floating(dtype, out)
 
 
 def _warn_order(plan: Plan, facts: _PlanFacts, order: list[str]) -> None:
@@ -439,9 +467,14 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool =
 def _make_pre_hook(step: Step, name: str):
     ref = weakref.ref(step)  # the hooks outlive run(); the module must not keep the step alive
 
-    def pre_hook(module, args):
+    def pre_hook(module, args, *kwargs):
         step = ref()
-        return None if step is None else step.module_pre_forward(name, module, args)
+        if step is None:
+            return None
+        if not kwargs:  # (torch calls a hook removed while the module's hooks run without kwargs: args only)
+            new = step.module_pre_forward(name, module, args, {})
+            return None if new is None else new[0]
+        return step.module_pre_forward(name, module, args, kwargs[0])
 
     return pre_hook
 

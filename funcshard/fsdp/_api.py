@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
 from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of
-from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy
+from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy, check_mp_policy
 from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
@@ -41,11 +41,6 @@ def _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_me
             raise _not_built("reshard_after_forward as an int (reshard to a smaller group after forward, "
                              "ZeRO++ hpZ)", "pass True, False or None")
         raise ValueError(f"reshard_after_forward should be a bool or None, not {reshard_after_forward!r}")
-    casts = [f"{f}={getattr(mp_policy, f)}" for f in ("param_dtype", "reduce_dtype", "output_dtype")
-             if getattr(mp_policy, f, None) is not None]
-    if casts:  # ours or torch's policy: the fields are the same
-        raise _not_built(f"mixed precision ({', '.join(casts)})", "use the default MixedPrecisionPolicy() "
-                         "(or cast the model, e.g. model.to(torch.bfloat16), before fully_shard)")
     if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
         raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
     if mesh.ndim == 2:
@@ -81,7 +76,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     name = unit.group
     if _in_backward():  # activation-checkpoint recomputation
         if name is not None and (step := ctx.step) is not None:
-            step.module_pre_forward(name, module, args)
+            return step.module_pre_forward(name, module, args, kwargs)
         return None
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
@@ -90,9 +85,9 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
     if name is not None:
-        watched = ctx.step.module_pre_forward(name, module, moved[0] if moved is not None else args)
-        if watched is not None:
-            moved = (watched, moved[1] if moved is not None else kwargs)
+        new = ctx.step.module_pre_forward(name, module, *(moved if moved is not None else (args, kwargs)))
+        if new is not None:
+            moved = new
     return moved
 
 
@@ -187,7 +182,7 @@ class FSDPModule:
             for k, v in settings.items():
                 setattr(u, k, v)
             if u.ctx is not None:
-                u.ctx._plan = None  # derive the plan again at the next step
+                u.ctx.settings_changed()
 
     @_no_inference_tensors
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -339,6 +334,7 @@ def fully_shard(
                              f"module, bottom-up (submodules first, then their ancestors)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims)
+    check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
     device = device_of(mesh)
     check_mesh(mesh)
     managed, nested, params = _collect(modules, set(ignored_params or ()))
@@ -359,6 +355,7 @@ def fully_shard(
         records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
+    unit.mp_policy = mp_policy
     for (_, p), r in zip(params, records):
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)

@@ -74,10 +74,15 @@ class GradSink:
         unit = self.ctx.by_group[name]
         paths = self.paths[name]
         if not unit.sync:  # accumulate unsharded; the next synced backward reduce-scatters the sum
+            # in the reduce dtype where the policy sets one (FSDP2: bf16 compute, fp32 reduce accumulates in fp32)
+            rdt = unit.mp_policy.reduce_dtype
             with torch.no_grad():
                 for p, g in zip(paths, grads):
                     if g is not None:
-                        unit.acc[p] = unit.acc[p].add_(g) if p in unit.acc else g.clone()
+                        if p in unit.acc:
+                            unit.acc[p].add_(g)
+                        else:
+                            unit.acc[p] = g.to(rdt) if rdt is not None and g.dtype != rdt else g.clone()
             return None, None
         for i, p in enumerate(paths):
             if p in unit.acc:

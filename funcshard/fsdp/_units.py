@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._plan import plan as make_plan
-from funcshard._policy import reshard_after_forward_default
+from funcshard._policy import MixedPrecisionPolicy, reshard_after_forward_default
 from funcshard._runtime import Step
 from funcshard.fsdp._sink import GradSink, _Param
 
@@ -36,6 +36,7 @@ class _Unit:
         self.group: str | None = None  # this unit's group in the root's plan (None: no parameters)
         self.sync = self.reshard_after_backward = self.unshard_in_backward = True
         self.reduce_unused = False
+        self.mp_policy = MixedPrecisionPolicy()
         self.divide_factor: float | None = None
         self.forward_prefetch: list[_Unit] | None = None
         self.backward_prefetch: list[_Unit] | None = None
@@ -134,14 +135,24 @@ class _Context:
             hit = self._ordered[self.order] = self._plan.with_order([n for n in self.order if n in self.by_group])
         return hit
 
+    def settings_changed(self) -> None:
+        """A unit setting changed: the plan is derived again, and a step already under way takes it at once (FSDP2
+        reads a setting when it uses it)."""
+        self._plan = None
+        if self.step is not None and not self.stale:
+            self.step.retarget(self.plan())
+
     def _edited(self, g: Group) -> Group:
         """The plan's group with its unit's settings (a group without a unit keeps the defaults)."""
         u = self.by_group.get(g.name)
         rsf = reshard_after_forward_default(None if u is None else u.reshard_after_forward, is_root=g.is_root)
         if u is None:
             return dataclasses.replace(g, reshard_after_forward=rsf)
+        mp = u.mp_policy
         return dataclasses.replace(g, reshard_after_forward=rsf, reshard_after_backward=u.reshard_after_backward,
-                                   unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor)
+                                   unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor,
+                                   param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs)
 
     def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
         out = {}
