@@ -80,6 +80,7 @@ foreach_sqrt = require("torch._foreach_sqrt")
 
 # ---- torch's pytree (what modules' inputs and outputs are flattened with: it knows the node types libraries
 # register with torch, e.g. transformers' ModelOutput; funcshard's own pytrees use optree, see _tree.py) ---------
+apply_to_tensors = require("torch.distributed.utils._apply_to_tensors")  # FSDP2's walk for input/output casts
 torch_tree_leaves = _torch_pytree.tree_leaves
 torch_tree_map_only = _torch_pytree.tree_map_only
 
@@ -105,6 +106,7 @@ all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else
 reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 __all__ = [
+    "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
     "maybe_current_level", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",

@@ -21,3 +21,10 @@ def layouts(plan: Plan) -> dict[str, Buckets]:
 def expected_shards(plan: Plan) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return plan.derived("expected_shards", lambda plan: {k: (torch.Size(s.local_shape), s.dtype)
                                                          for k, s in plan.specs.items()})
+
+
+def full_layouts(plan: Plan) -> dict[str, Buckets]:
+    """The layouts in the shards' own dtypes, whatever the groups' precision: ``gather`` returns the parameters as
+    they were sharded, bit for bit (unshard(shard(x)) == x)."""
+    return plan.derived("full_layouts", lambda plan: {
+        g.name: Buckets([plan.specs[p] for p in g.params]) for g in plan.groups})

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._schedule import label, schedule
 from funcshard._mesh import mesh_str, resolve_mesh
-from funcshard._policy import check_mp_policy, reshard_after_forward_default
+from funcshard._policy import MixedPrecisionPolicy, check_mp_policy, reshard_after_forward_default
 from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
 
 __all__ = ["Group", "Plan", "plan"]
@@ -176,8 +176,9 @@ class Plan:
         """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``, or
         ``mp_policy=MixedPrecisionPolicy(...)`` for its four precision fields."""
         self.group(name)
-        if "mp_policy" in changes:
-            changes.update(_mp_fields(changes.pop("mp_policy"), f"group {name!r}"))
+        if "mp_policy" in changes:  # (None: no mixed precision, as in plan())
+            policy = changes.pop("mp_policy")
+            changes.update(_mp_fields(MixedPrecisionPolicy() if policy is None else policy, f"group {name!r}"))
         groups = tuple(dataclasses.replace(g, **changes) if g.name == name else g for g in self.groups)
         return self.replace(groups=groups)
 
@@ -205,7 +206,8 @@ class Plan:
                                               ("unshard_in_backward", g.unshard_in_backward),
                                               ("grad_divide_factor", g.grad_divide_factor),
                                               ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
-                                              ("output_dtype", g.output_dtype))
+                                              ("output_dtype", g.output_dtype),
+                                              ("cast_forward_inputs", g.cast_forward_inputs))
                     if v is not None and v is not True)
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from funcshard._tree import module_io_map_only
+from funcshard._compat import apply_to_tensors
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "cast_floating", "check_mp_policy",
            "compute_dtype", "divide_factors", "reduce_dtype_of", "reshard_after_forward_default"]
@@ -63,7 +63,8 @@ _MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_input
 def check_mp_policy(policy: Any, where: str) -> None:
     """Raise a clear error for a policy that is not a MixedPrecisionPolicy (ours or torch's) or names a dtype that
     is not floating point. ``where``: the unit or group, for the message."""
-    if type(policy).__name__ != "MixedPrecisionPolicy" or not all(hasattr(policy, f) for f in _MP_FIELDS):
+    if (not any(c.__name__ == "MixedPrecisionPolicy" for c in type(policy).__mro__)
+            or not all(hasattr(policy, f) for f in _MP_FIELDS)):
         raise TypeError(f"{where}: mp_policy must be a MixedPrecisionPolicy (funcshard's or "
                         f"torch.distributed.fsdp's), got {type(policy).__name__}; e.g. "
                         f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
@@ -97,8 +98,9 @@ def divide_factors(factor: float, reduce_dtype: torch.dtype) -> tuple[float, flo
 
 
 def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
-    """``tree`` with every floating point tensor of another dtype cast to ``dtype`` (FSDP2's input/output cast)."""
+    """``tree`` with every floating point tensor of another dtype cast to ``dtype``: FSDP2's input/output cast, with
+    its walk (dataclasses, dicts, namedtuples, lists, tuples, sets)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
-    return module_io_map_only(torch.Tensor, cast, tree)
+    return apply_to_tensors(cast, tree)

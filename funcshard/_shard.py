@@ -17,7 +17,7 @@ from funcshard._collectives import (
     reduce_scatter_grads,
 )
 from funcshard._compat import is_batchedtensor
-from funcshard._layout import expected_shards, layouts
+from funcshard._layout import expected_shards, full_layouts
 from funcshard._mesh import check_mesh, mesh_str
 from funcshard._plan import Plan, module_params
 from funcshard._spec import ShardingError
@@ -151,7 +151,7 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     check_mesh(plan.mesh)
     if not any(is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
         check_transforms("funcshard.gather")
-    lay = layouts(plan)
+    lay = full_layouts(plan)  # (the shards' dtypes: mixed precision casts for compute, not for gather)
     pg = plan.mesh.get_group(plan.shard_axis)
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     out: dict[str, torch.Tensor] = {}

@@ -9,6 +9,8 @@ the result is cast to the shards' dtype before it is accumulated into ``.grad``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,6 +44,25 @@ class _Gated(nn.Module):
         if self.use:
             return x + self.a(x) + self.b(x)
         return x + self.a(x) + (0 * self.b(x) if self.zero else 0)
+
+
+@dataclasses.dataclass
+class _Batch:  # a dataclass input: FSDP2's cast walks into it
+    x: torch.Tensor
+    scale: torch.Tensor
+
+
+class _DataclassMLP(MLP):
+    def forward(self, b):
+        h = self.inp(b.x) * b.scale
+        for blk in self.blocks:
+            h = blk(h)
+        return self.out(h)
+
+
+class _Scaled(nn.Module):  # no parameters of its own: a fully_shard unit with no group, but a policy
+    def forward(self, x):
+        return x * 1.1
 
 
 class _GatedMLP(MLP):
@@ -85,6 +106,17 @@ def _scenario(name, fs, mesh, policy):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(3.0)
         return _fit(model, loss=_mse)
+    if name == "dataclass_inputs":
+        model = _nested(fs, _DataclassMLP(layers=2), mesh, mp_policy=mp)
+        return _fit(model, loss=_mse, call=lambda m, x: m(_Batch(x, torch.full((6,), 0.777))))
+    if name == "units_without_parameters":  # a parameterless inner unit and a root whose parameters are all in
+        # children, each with its own policy's casts (bf16 in, fp32 out)
+        cast = fs.MixedPrecisionPolicy(**policy, output_dtype=torch.float32)
+        model = torch.nn.Sequential(nn.Linear(7, 6), _Scaled(), nn.Linear(6, 3))
+        for m in model:
+            fs.fully_shard(m, mesh=mesh, mp_policy=cast)
+        fs.fully_shard(model, mesh=mesh, mp_policy=cast)
+        return _fit(model, loss=_mse)
     if name.startswith("fresh_param"):
         # pt#196996: without sync, a parameter first used in the last microbatch has a fresh gradient in param_dtype
         # beside its group's reduce_dtype accumulations. FSDP2 asserts ("expects uniform gradient dtype"); funcshard
@@ -115,7 +147,7 @@ def _parity(names, policy):
 
 
 SCENARIOS = ["reshard_true", "reshard_false", "reshard_none", "accumulate_no_sync", "clip", "frozen", "tied",
-             "nested_policies", "force_sum_divide", "fresh_param"]
+             "nested_policies", "force_sum_divide", "fresh_param", "dataclass_inputs", "units_without_parameters"]
 
 
 @pytest.mark.parametrize("policy,world", [("bf16_fp32", 2), ("bf16_bf16", 2), ("bf16_fp32", 4), ("bf16_bf16", 4),
@@ -181,3 +213,29 @@ def test_functional_path_matches_fully_shard_and_halves_the_all_gather(policy):
         assert same_loss and same_grads and dtypes
         assert ag * 2 == ag32 and planned == ag  # bf16 all-gathers: half the bytes, as the schedule says
         assert f"param_dtype={POLICIES[policy]['param_dtype']}" in printed
+
+
+def _functional_edges():
+    """gather under a policy returns the parameters as sharded (their dtype, bit for bit); a live step's hooks do
+    not cast another call of the same modules (a plain call, or another plan's apply, before its backward)."""
+    from models import Block
+
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    mp = funcshard.MixedPrecisionPolicy(**POLICIES["bf16_fp32"])
+    plan = funcshard.plan(model, _mesh(), groups=(Block,), mp_policy=mp)
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    full = funcshard.gather(plan, state)
+    exact = all(torch.equal(full[k], p) for k, p in model.named_parameters())
+    x = torch.randn(4, 7)
+    out = funcshard.apply(plan, state, x)  # its hooks live until its backward
+    plain = model(x).dtype  # the module's own fp32 parameters, no cast
+    fp32_plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    other = funcshard.apply(fp32_plan, funcshard.shard(fp32_plan), x).dtype
+    out.float().sum().backward()
+    return exact, plain, other, out.dtype
+
+
+def test_gather_and_other_calls_under_a_policy():
+    for exact, plain, other, out in run_ranks(2, _functional_edges):
+        assert exact and plain == other == torch.float32 and out == BF16

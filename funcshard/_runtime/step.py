@@ -182,7 +182,9 @@ class Step:
         floating inputs cast to the group's ``param_dtype`` (``cast_forward_inputs``), inputs watched for a group
         with frozen parameters."""
         group = self.groups[name].group
-        cast = group.param_dtype is not None and group.cast_forward_inputs
+        # (only this step's own forward and recomputation: its hooks outlive the forward until backward ends)
+        cast = (group.param_dtype is not None and group.cast_forward_inputs
+                and (self.in_forward or (_graph_task_id() != -1 and (self.recomputing() or self.recompute_nested))))
         if cast:
             args, kwargs = cast_floating(group.param_dtype, (args, kwargs or {}))
         if self.in_forward:
@@ -218,6 +220,8 @@ class Step:
                 output = self.wrap_for_backward(name, output)
         elif self.recomputing():  # recomputation: the group stays gathered until its post-backward
             self.swap_out(name)
+        elif not (self.recompute_nested and _graph_task_id() != -1):
+            return output  # (another call of the module while this step's hooks live: not this step's)
         dtype = self.groups[name].group.output_dtype
         return output if dtype is None else cast_floating(dtype, output)
 

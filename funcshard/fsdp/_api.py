@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
 from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of
-from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy, check_mp_policy
+from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy, cast_floating, check_mp_policy
 from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
@@ -77,7 +77,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     if _in_backward():  # activation-checkpoint recomputation
         if name is not None and (step := ctx.step) is not None:
             return step.module_pre_forward(name, module, args, kwargs)
-        return None
+        return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
         ctx.fwd_root = unit
@@ -86,9 +86,16 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
     if name is not None:
         new = ctx.step.module_pre_forward(name, module, *(moved if moved is not None else (args, kwargs)))
-        if new is not None:
-            moved = new
-    return moved
+    else:  # a unit without parameters of its own: no group, but its policy's casts apply (as in FSDP2)
+        new = _cast_inputs(unit, *(moved if moved is not None else (args, kwargs)))
+    return new if new is not None else moved
+
+
+def _cast_inputs(unit: _Unit, args: tuple, kwargs: dict) -> tuple | None:
+    mp = unit.mp_policy
+    if mp.param_dtype is None or not mp.cast_forward_inputs:
+        return None
+    return cast_floating(mp.param_dtype, (args, kwargs))
 
 
 @_no_inference_tensors
@@ -99,6 +106,8 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
     step, name = ctx.step, unit.group
     if name is not None:
         output = step.module_post_forward(name, module, output)
+    elif unit.mp_policy.output_dtype is not None:  # (a unit without parameters: its policy's cast, as in FSDP2)
+        output = cast_floating(unit.mp_policy.output_dtype, output)
     if ctx.fwd_root is unit and not (name is not None and step.tracker.is_open(name)):
         ctx.end_forward()
     return output
