@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py              # CPU gloo W = 2 and 4, ~10M..~100M params, + fake-PG W = 8 (~10 min)
     python benchmarks/bench.py --quick      # the same checks on smaller models (under 2 min)
+    python benchmarks/bench.py --mp bf16    # mixed precision: every sharded system with the same bf16 policy
 
 Writes ``benchmarks/out/results.json``, ``results.md`` and ``results.png`` (needs matplotlib: the ``bench``
 extra), and, for a full run (or ``--write-results``), ``benchmarks/RESULTS.md``.
@@ -22,6 +23,16 @@ CUDA: ``torch.cuda.max_memory_allocated`` over one step minus what was allocated
 Overhead per group, on the tiny model (many small blocks, where it dominates): (system step - unsharded step
 of the same model and per-rank batch) / number of groups, paired per repeat. It includes the collectives'
 own latency on gloo; the fake process group (W = 8, no communication) isolates copies, hooks and Python.
+
+Mixed precision (``--mp bf16``): every sharded system gets the same policy, bf16 parameters (all-gather and
+compute) and fp32 reduce-scatter, through its own API (FSDP2: torch's ``MixedPrecisionPolicy``; fs_fully_shard:
+funcshard's; fs_apply*: ``plan(mp_policy=...)``); ``unsharded`` and ``ddp`` stay fp32, and ``fsdp2_fp32`` (FSDP2
+without a policy) is added as the fp32 reference: bf16 all-gather bytes must be half of its, reduce-scatter bytes
+equal to its. The guard compares the bf16 systems with FSDP2 in bf16 (``LOSS_TOL_MP``: fs_fully_shard and
+fs_apply are bit-identical to FSDP2 at step 1 on CPU), the fp32 systems with ``fsdp2_fp32`` (``LOSS_TOL``). The
+targets measured against the unsharded step (overhead per group, within 5 % of unsharded) are not evaluated: that
+floor is fp32. The report is the ``## bf16 mixed precision`` section of ``RESULTS.md`` (a full run, or
+``--write-results``, replaces that section only; an fp32 run keeps it).
 """
 
 from __future__ import annotations
@@ -53,6 +64,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 LOSS_TOL = 1e-5
+# bf16 systems vs FSDP2 with the same policy (losses on fp32 logits), per step. Step 1: bit-identical on CPU
+# (same bf16 parameters, same kernels; measured 0), and a forward that missed the policy is off by what bf16 does
+# to the loss (2.6e-5 on gpt-3M: fsdp2_fp32 vs fsdp2). Step 2: fs_fully_shard uses torch's AdamW like FSDP2
+# (measured 0); fs_apply* use funcshard.optim.adamw, whose fp32 updates differ from torch's foreach AdamW in the
+# last bit for about half the elements (as in fp32, where step 2 agrees within 1e-5), and bf16 turns the few that
+# sit on a rounding boundary into a whole bf16 step: 8.9e-5 on gpt-3M. A loose bound there: Adam's first update is
+# scale-free, so no step-2 loss sees a wrong divide or reduce dtype; the bytes targets check the reduce dtype.
+LOSS_TOL_MP = (1e-6, 1e-3)
+MP_SECTION = "## bf16 mixed precision"  # the RESULTS.md section a --mp bf16 run writes (and an fp32 run keeps)
 FS_SYSTEMS = ("fs_apply", "fs_apply_torchfunc", "fs_fully_shard")  # funcshard's systems, each held to the targets
 
 # ---- what runs --------------------------------------------------------------------------------------------
@@ -106,7 +126,8 @@ def _mem_step(sysobj, device) -> dict:
     return {"peak": tracker.peak, "between_steps": tracker.baseline, "instrument": "LiveBytes"}
 
 
-def run_model(cfg: S.ModelConfig, repeats: int, steps: int, *, mesh, device, fake: bool, names) -> dict:
+def run_model(cfg: S.ModelConfig, repeats: int, steps: int, *, mesh, device, fake: bool, names,
+              precision: str = "fp32") -> dict:
     pg = mesh.get_group(0)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     cdev = device if device.type == "cuda" else torch.device("cpu")  # where our own bookkeeping collectives run
@@ -121,7 +142,7 @@ def run_model(cfg: S.ModelConfig, repeats: int, steps: int, *, mesh, device, fak
             continue
         try:
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            sysobj = S.build(name, cfg, mesh, device, x, y)
+            sysobj = S.build(name, cfg, mesh, device, x, y, precision=precision)
             losses = [sysobj.step(), sysobj.step()]
             rec["loss"] = [S.world_loss(v, pg) for v in losses]
             mem = _mem_step(sysobj, device)
@@ -235,10 +256,13 @@ def _worker(rank: int, world: int, port: int, backend: str, jobs: list, result_p
         for job in jobs:
             cfg = S.ModelConfig(**job["model"])
             t0 = time.perf_counter()
+            precision = job.get("precision", "fp32")
             res = run_model(cfg, job["repeats"], job["steps"], mesh=mesh, device=device, fake=fake,
-                            names=job["systems"])
+                            names=job["systems"], precision=precision)
             res.update(world=world, backend=backend, device=dev_type, model=cfg.as_dict(), repeats=job["repeats"],
                        steps=job["steps"], wall_s=time.perf_counter() - t0, threads=threads)
+            if precision != "fp32":
+                res["precision"] = precision
             results.append(res)
             if rank == 0:
                 print(f"  W={world} {backend:5s} {cfg.name:10s} done in {res['wall_s']:.0f} s", flush=True)
@@ -305,6 +329,13 @@ def analyze(run: dict) -> None:
         fmem = sy.get("fsdp2", {}).get("memory")
         if mem and fmem:
             rec["memory_vs_fsdp2"] = max(mem["peak_per_rank"]) / max(fmem["peak_per_rank"])
+        if run.get("precision", "fp32") != "fp32":  # mixed precision: bytes against FSDP2's and fp32 FSDP2's
+            for ref_name, key in (("fsdp2", "bytes_vs_fsdp2"), ("fsdp2_fp32", "bytes_vs_fsdp2_fp32")):
+                theirs = sy.get(ref_name, {}).get("collectives", {}).get("bytes")
+                mine = rec.get("collectives", {}).get("bytes")
+                if theirs is not None and mine and (mine.get("all_gather") or mine.get("reduce_scatter")):
+                    rec[key] = {k: (mine.get(k, 0) / theirs[k] if theirs.get(k) else None)
+                                for k in ("all_gather", "reduce_scatter")}
 
 
 def _fmt_bytes(n) -> str:
@@ -333,6 +364,7 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
         out.append({"target": name, "where": where, "value": value, "threshold": threshold, "status": status,
                     "note": note})
 
+    mixed = sorted({r["precision"] for r in runs if r.get("precision", "fp32") != "fp32"})
     cpu = [r for r in runs if r["device"] == "cpu" and r["backend"] == "gloo"]
     for r in cpu:
         where = f"CPU W={r['world']} {r['model']['name']}"
@@ -360,6 +392,9 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
                 f"AG {mine.get('all_gather', 0) / 2**20:.3f} + RS {mine.get('reduce_scatter', 0) / 2**20:.3f} MiB",
                 "equal", same, note=f"FSDP2: AG {theirs.get('all_gather', 0) / 2**20:.3f} + RS "
                                     f"{theirs.get('reduce_scatter', 0) / 2**20:.3f} MiB")
+        if mixed:
+            _mp_byte_targets(r, where, add)
+            continue  # the targets against the unsharded step: its floor is fp32 (see below)
         if r["model"]["name"].startswith("tiny"):
             fo = f.get("overhead_per_group_s")
             for name in FS_SYSTEMS:
@@ -376,6 +411,12 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
                         v <= 0.5, note=f"{mc * 1e3:.3f} ms vs FSDP2 {fc * 1e3:.3f} ms")
     cuda1 = [r for r in runs if r["device"] == "cuda" and r["backend"] == "nccl"]
     fake = [r for r in runs if r["backend"] == "fake"]
+    if mixed:
+        out.append({"target": "overhead per group <= 0.5x FSDP2; CUDA W=1 within 5% of unsharded; fake-PG W=8 "
+                    "copy+hook overhead <= 0.5x FSDP2", "where": "all", "value": None, "threshold": "-",
+                    "status": "NOT EVALUATED", "note": f"measured against the unsharded step, which runs in fp32 "
+                    f"while the sharded systems run {'/'.join(mixed)}: not like for like"})
+        return out
     if not have_cuda:
         out.append({"target": "CUDA W=1 within 5% of unsharded", "where": "CUDA", "value": None,
                     "threshold": 1.05, "status": "NOT RUN", "note": "no GPU on this machine"})
@@ -404,6 +445,29 @@ def targets(runs: list, have_cuda: bool) -> list[dict]:
     return out
 
 
+def _mp_byte_targets(r: dict, where: str, add) -> None:
+    """Mixed precision: every sharded system's all-gather bytes are half of fp32 FSDP2's (bf16 parameters), its
+    reduce-scatter bytes equal to fp32 FSDP2's (fp32 gradients)."""
+    sy = r["systems"]
+    ref = sy.get("fsdp2_fp32", {})
+    if ref.get("status") != "ok":
+        add("all-gather bytes == 0.5x fp32 FSDP2, reduce-scatter == fp32 FSDP2", where, None, "-", False,
+            note="fsdp2_fp32 (the fp32 reference) not run: " + ref.get("status", "not in --systems"))
+        return
+    theirs = ref["collectives"]["bytes"]
+    for name in ("fsdp2", *FS_SYSTEMS):
+        rec = sy.get(name, {})
+        if rec.get("status") != "ok":
+            continue
+        mine = rec["collectives"]["bytes"]
+        ag, rs = mine.get("all_gather", 0), mine.get("reduce_scatter", 0)
+        ag32, rs32 = theirs.get("all_gather", 0), theirs.get("reduce_scatter", 0)
+        add(f"{name} all-gather bytes == 0.5x fp32 FSDP2 (bf16 params)", where, f"{ag / 2**20:.3f} MiB", "0.5x",
+            ag32 > 0 and 2 * ag == ag32, note=f"fp32 FSDP2: {ag32 / 2**20:.3f} MiB")
+        add(f"{name} reduce-scatter bytes == fp32 FSDP2 (fp32 reduce)", where, f"{rs / 2**20:.3f} MiB", "equal",
+            rs32 > 0 and rs == rs32, note=f"fp32 FSDP2: {rs32 / 2**20:.3f} MiB")
+
+
 def guard(run: dict) -> list[str]:
     """The correctness guard: step-1 (and step-2) losses of the data-parallel systems against FSDP2's."""
     msgs = []
@@ -413,6 +477,8 @@ def guard(run: dict) -> list[str]:
     ref = sy.get("fsdp2", {}).get("loss")
     if not ref:
         return [f"W={run['world']} {run['model']['name']}: no FSDP2 loss to compare against"]
+    if run.get("precision", "fp32") != "fp32":
+        return _guard_mixed(run)
     for name, rec in sy.items():
         if name == "fsdp2" or not rec.get("loss"):
             continue
@@ -427,10 +493,41 @@ def guard(run: dict) -> list[str]:
     return msgs
 
 
+def _guard_mixed(run: dict) -> list[str]:
+    """Mixed precision: each system against the FSDP2 of its own precision, the bf16 systems against FSDP2 (same
+    policy) within LOSS_TOL_MP, the fp32 ones (unsharded, ddp) against fsdp2_fp32 within LOSS_TOL; fsdp2_fp32
+    against FSDP2 is recorded (what bf16 does to the loss), not checked."""
+    msgs = []
+    sy, prec = run["systems"], run["precision"]
+    for name, rec in sy.items():
+        if name == "fsdp2" or not rec.get("loss"):
+            continue
+        fp32 = S.system_precision(name, prec) == "fp32"
+        ref_name = "fsdp2_fp32" if fp32 and name != "fsdp2_fp32" else "fsdp2"
+        ref = sy.get(ref_name, {}).get("loss")
+        if not ref:
+            continue  # fsdp2_fp32 not run: nothing of the fp32 systems' precision to compare against
+        checked = name != "fsdp2_fp32"
+        tols = (LOSS_TOL, LOSS_TOL) if fp32 else LOSS_TOL_MP
+        rec["loss_ref"] = ref_name
+        rec["loss_tol"] = list(tols) if checked else None
+        rec["loss_diff_vs_ref"] = []
+        steps = (0,) if name == "unsharded" else (0, 1)  # unsharded trains on its local batch only
+        for i in steps:
+            d, tol = abs(rec["loss"][i] - ref[i]), tols[i]
+            rec["loss_diff_vs_ref"].append(d)
+            if checked and d > tol:
+                msgs.append(f"W={run['world']} {run['model']['name']} {name}: step-{i + 1} loss "
+                            f"{rec['loss'][i]:.7f} vs {ref_name} {ref[i]:.7f} (diff {d:.2e} > {tol:g})")
+    return msgs
+
+
 # ---- report --------------------------------------------------------------------------------------------
 
 
 def markdown(meta: dict, runs: list, tgts: list, guards: list) -> str:
+    if meta.get("precision", "fp32") != "fp32":
+        return markdown_mixed(meta, runs, tgts, guards)
     L = ["# funcshard vs FSDP2: benchmark results", "",
          f"- date: {meta['date']}", f"- machine: {meta['machine']}", f"- torch {meta['torch']}, funcshard "
          f"{meta['funcshard']} (git {meta['git']})", f"- command: `{meta['command'].strip()}`",
@@ -449,17 +546,9 @@ def markdown(meta: dict, runs: list, tgts: list, guards: list) -> str:
     L += ["## Correctness guard", ""]
     L += ["All step-1 losses match FSDP2's within 1e-5 (step 2 too for the data-parallel systems)."
           if not guards else "**MISMATCH**:\n" + "\n".join(f"- {g}" for g in guards), ""]
-    L += ["## Targets", "", "| target | where | value | threshold | status | note |", "|---|---|---|---|---|---|"]
-    for t in tgts:
-        v = t["value"]
-        vs = f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
-        L.append(f"| {t['target']} | {t['where']} | {vs} | {t['threshold']} | **{t['status']}** | {t['note']} |")
-    L.append("")
+    L += ["## Targets", ""] + _targets_table(tgts)
     for r in runs:
-        m = r["model"]
-        L += [f"## W={r['world']} {r['backend']} on {r['device']}: {m['name']} ({m['params'] / 1e6:.1f}M params, "
-              f"{m['groups']} groups, {m['batch']}x{m['seq']} tokens per rank, {r['repeats']} repeats x "
-              f"{r['steps']} steps, {r['threads']} thread(s) per rank)", ""]
+        L += [f"## {_run_title(r)}", ""]
         L += ["| system | step (ms) | vs FSDP2 | vs unsharded | tokens/s | peak MiB/rank | mem vs FSDP2 | "
               "between steps MiB | all-gather | reduce-scatter | all-reduce | overhead/group (ms) | "
               "CPU ms/step | CPU overhead/group (ms) |",
@@ -472,26 +561,118 @@ def markdown(meta: dict, runs: list, tgts: list, guards: list) -> str:
             cpu_cols = (f" {rec['median_cpu_s'] * 1e3:.2f} | "
                         f"{'-' if cov is None or name == 'unsharded' else f'{cov * 1e3:.3f}'} |"
                         if rec.get("median_cpu_s") is not None else " - | - |")
-            mem = rec.get("memory", {})
-            rng = rec.get("ratio_vs_fsdp2_range")
-            ratio = f"{rec['ratio_vs_fsdp2']:.3f} [{rng[0]:.2f}-{rng[1]:.2f}]" if rng else "-"
             ovh = rec.get("overhead_per_group_s")
             L.append(
-                f"| {name} | {rec['median_s'] * 1e3:.2f} | {ratio} | {rec.get('vs_unsharded', 0):.3f} | "
-                f"{rec['tokens_per_s']:,.0f} | {_fmt_bytes(max(mem.get('peak_per_rank', [0])))} | "
-                f"{rec.get('memory_vs_fsdp2', float('nan')):.3f} | "
-                f"{_fmt_bytes(max(mem.get('between_steps_per_rank', [0])))} | {_coll(rec, 'all_gather')} | "
-                f"{_coll(rec, 'reduce_scatter')} | {_coll(rec, 'all_reduce')} | "
+                f"| {name} | {_common_cols(rec)} | "
                 f"{'-' if ovh is None or name == 'unsharded' else f'{ovh * 1e3:.3f}'} |" + cpu_cols)
-        checks = []
+        L += ["", _counter_check(r), ""]
+    return "\n".join(L)
+
+
+def _targets_table(tgts: list) -> list[str]:
+    L = ["| target | where | value | threshold | status | note |", "|---|---|---|---|---|---|"]
+    for t in tgts:
+        v = t["value"]
+        vs = f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+        L.append(f"| {t['target']} | {t['where']} | {vs} | {t['threshold']} | **{t['status']}** | {t['note']} |")
+    return [*L, ""]
+
+
+def _run_title(r: dict) -> str:
+    m = r["model"]
+    return (f"W={r['world']} {r['backend']} on {r['device']}: {m['name']} ({m['params'] / 1e6:.1f}M params, "
+            f"{m['groups']} groups, {m['batch']}x{m['seq']} tokens per rank, {r['repeats']} repeats x "
+            f"{r['steps']} steps, {r['threads']} thread(s) per rank)")
+
+
+def _common_cols(rec: dict) -> str:
+    """step | vs FSDP2 | vs unsharded | tokens/s | peak | mem vs FSDP2 | between steps | AG | RS | AR."""
+    mem = rec.get("memory", {})
+    rng = rec.get("ratio_vs_fsdp2_range")
+    ratio = f"{rec['ratio_vs_fsdp2']:.3f} [{rng[0]:.2f}-{rng[1]:.2f}]" if rng else "-"
+    return (f"{rec['median_s'] * 1e3:.2f} | {ratio} | {rec.get('vs_unsharded', 0):.3f} | "
+            f"{rec['tokens_per_s']:,.0f} | {_fmt_bytes(max(mem.get('peak_per_rank', [0])))} | "
+            f"{rec.get('memory_vs_fsdp2', float('nan')):.3f} | "
+            f"{_fmt_bytes(max(mem.get('between_steps_per_rank', [0])))} | {_coll(rec, 'all_gather')} | "
+            f"{_coll(rec, 'reduce_scatter')} | {_coll(rec, 'all_reduce')}")
+
+
+def _counter_check(r: dict) -> str:
+    checks = []
+    for name, rec in r["systems"].items():
+        if rec.get("status") != "ok":
+            continue
+        wrapped = sum(rec["collectives"]["calls"].values())
+        seen = sum(rec.get("c10d_ops", {}).values())
+        checks.append(f"{name} {wrapped:g}/{seen:g}")
+    return ("Collective counter check (wrapped `torch.distributed` calls / c10d ops seen by torch.profiler, "
+            "per step): " + ", ".join(checks))
+
+
+def _byte_ratios(rec: dict, key: str) -> str:
+    r = rec.get(key)
+    if not r:
+        return "-"
+    return " / ".join("-" if r.get(k) is None else f"{r[k]:.3f}" for k in ("all_gather", "reduce_scatter"))
+
+
+def _tols(tols: list) -> str:
+    return f"{tols[0]:g}" if tols[0] == tols[1] else f"{tols[0]:g} / {tols[1]:g}"
+
+
+def markdown_mixed(meta: dict, runs: list, tgts: list, guards: list) -> str:
+    """The report of a mixed-precision run: the ``## bf16 mixed precision`` section of RESULTS.md."""
+    prec = meta["precision"]
+    L = [f"## {prec} mixed precision", "",
+         f"- date: {meta['date']}", f"- machine: {meta['machine']}", f"- torch {meta['torch']}, funcshard "
+         f"{meta['funcshard']} (git {meta['git']})", f"- command: `{meta['command'].strip()}`",
+         f"- policy, the same for every sharded system ({', '.join(('fsdp2', *FS_SYSTEMS))}): "
+         f"{S.policy_description(prec)} (fsdp2: torch's `MixedPrecisionPolicy`; fs_fully_shard: "
+         "`funcshard.MixedPrecisionPolicy`; fs_apply*: `funcshard.plan(mp_policy=...)`); shards, gradients and "
+         "AdamW state fp32 (master weights); loss on fp32 logits",
+         f"- fp32, no mixed precision, no autocast: {', '.join(S.FP32_ONLY)} (`fsdp2_fp32`: FSDP2 without a "
+         "policy, the fp32 reference for bytes and memory); `vs unsharded` therefore compares with an fp32 step",
+         f"- funcshard.fully_shard: {meta['fully_shard']}; fs_apply's optimizer: {meta['fs_apply_optimizer']}; "
+         "torch systems: torch.optim.AdamW(foreach=True); same lr, betas, eps, weight decay",
+         f"- wall time: {meta['wall_s']:.0f} s", ""]
+    L += ["Method as in the fp32 tables above (medians over interleaved repeats of the slowest rank's step, paired "
+          "ratios vs FSDP2 with their range, peak live tensor bytes per rank, collectives as calls / MiB of "
+          "payload per rank per step). `vs FSDP2` is against FSDP2 with the same policy. `AG / RS bytes vs "
+          "FSDP2`: all-gather / reduce-scatter payload bytes over FSDP2's (same policy); `vs fp32 FSDP2`: over "
+          f"fsdp2_fp32's. Load average (1 min) at start / end: {meta['loadavg_start']:.1f} / "
+          f"{meta['loadavg_end']:.1f} on {os.cpu_count()} cores.", ""]
+    L += ["### Correctness guard", ""]
+    L += [f"Every {prec} system's step-1 and step-2 losses match FSDP2's (same policy) within {LOSS_TOL_MP[0]:g} and "
+          f"{LOSS_TOL_MP[1]:g} (step 2: funcshard.optim's last-bit AdamW differences, rounded to {prec}), every fp32 "
+          f"system's match fsdp2_fp32's within {LOSS_TOL:g} (unsharded: step 1 only)."
+          if not guards else "**MISMATCH**:\n" + "\n".join(f"- {g}" for g in guards), ""]
+    L += ["| run | system | precision | compared with | step-1 diff | step-2 diff | tolerance |",
+          "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for name, rec in r["systems"].items():
+            if "loss_diff_vs_ref" not in rec:
+                continue
+            d = rec["loss_diff_vs_ref"] + [None]
+            tol = rec.get("loss_tol")
+            L.append(f"| W={r['world']} {r['model']['name']} | {name} | {S.system_precision(name, prec)} | "
+                     f"{rec['loss_ref']} | {d[0]:.2e} | {'-' if d[1] is None else f'{d[1]:.2e}'} | "
+                     f"{'not checked (what ' + prec + ' does to the loss)' if tol is None else _tols(tol)} |")
+    L.append("")
+    L += ["### Targets", ""] + _targets_table(tgts)
+    for r in runs:
+        L += [f"### {_run_title(r)}", ""]
+        L += ["| system | precision | step (ms) | vs FSDP2 | vs unsharded (fp32) | tokens/s | peak MiB/rank | "
+              "mem vs FSDP2 | between steps MiB | all-gather | reduce-scatter | all-reduce | AG / RS bytes vs FSDP2 "
+              "| AG / RS bytes vs fp32 FSDP2 | CPU ms/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, rec in r["systems"].items():
             if rec.get("status") != "ok":
+                L.append(f"| {name} | {S.system_precision(name, prec)} | {rec.get('status')} |" + " |" * 12)
                 continue
-            wrapped = sum(rec["collectives"]["calls"].values())
-            seen = sum(rec.get("c10d_ops", {}).values())
-            checks.append(f"{name} {wrapped:g}/{seen:g}")
-        L += ["", "Collective counter check (wrapped `torch.distributed` calls / c10d ops seen by torch.profiler, "
-              "per step): " + ", ".join(checks), ""]
+            cpu = "-" if rec.get("median_cpu_s") is None else f"{rec['median_cpu_s'] * 1e3:.2f}"
+            L.append(f"| {name} | {S.system_precision(name, prec)} | {_common_cols(rec)} | "
+                     f"{_byte_ratios(rec, 'bytes_vs_fsdp2')} | {_byte_ratios(rec, 'bytes_vs_fsdp2_fp32')} | {cpu} |")
+        L += ["", _counter_check(r), ""]
     return "\n".join(L)
 
 
@@ -559,8 +740,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fake-cpu", action=argparse.BooleanOptionalAction, default=None,
                     help="the fake-PG W=8 comparison on CPU too (default: on, off with --quick)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU (gloo) runs")
-    ap.add_argument("--systems", nargs="+", default=list(S.ALL_SYSTEMS), choices=list(S.BUILDERS),
-                    help="default: all but fsdp2_async (FSDP2 with its private async unshard, for comparison)")
+    ap.add_argument("--systems", nargs="+", default=None, choices=list(S.BUILDERS),
+                    help="default: all but fsdp2_async (FSDP2 with its private async unshard, for comparison) and "
+                         "fsdp2_fp32 (FSDP2 without mixed precision: added by default with --mp bf16)")
+    ap.add_argument("--mp", choices=list(S.PRECISIONS), default="fp32",
+                    help="precision of the sharded systems: fp32 (default, no mixed precision) or bf16 (bf16 params "
+                         "and compute, fp32 reduce-scatter: the same MixedPrecisionPolicy for FSDP2, fully_shard and "
+                         "plan/apply; unsharded and ddp stay fp32); the report is RESULTS.md's bf16 section")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--write-results", action="store_true", help="write benchmarks/RESULTS.md after --quick too")
     ap.add_argument("--no-write-results", action="store_true", help="never write benchmarks/RESULTS.md")
@@ -568,6 +754,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         return report(json.loads(args.from_json.read_text()), args)
+    if args.systems is None:
+        args.systems = list(S.ALL_SYSTEMS) + (["fsdp2_fp32"] if args.mp != "fp32" else [])
     if "fsdp2" not in args.systems or "unsharded" not in args.systems:
         ap.error("--systems must include fsdp2 and unsharded (the references)")
     t_start = time.perf_counter()
@@ -583,11 +771,16 @@ def main(argv=None) -> int:
         "fully_shard": "present" if hasattr(funcshard, "fully_shard") else "not built",
         "fs_apply_optimizer": "funcshard.optim.adamw" + (" with donate=True" if S.DONATE else " (pure)"),
     }
+    if args.mp != "fp32":
+        meta["precision"] = args.mp
     meta["loadavg_start"] = os.getloadavg()[0]
-    print(f"funcshard benchmark: {meta['machine']}; funcshard.fully_shard {meta['fully_shard']}", flush=True)
+    print(f"funcshard benchmark: {meta['machine']}; funcshard.fully_shard {meta['fully_shard']}"
+          + (f"; sharded systems in {args.mp} ({S.policy_description(args.mp)})" if args.mp != "fp32" else ""),
+          flush=True)
 
     def jobs(plan_, device):
-        return [{"model": asdict(m), "repeats": r, "steps": k, "systems": args.systems, "device": device}
+        extra = {"precision": args.mp} if args.mp != "fp32" else {}
+        return [{"model": asdict(m), "repeats": r, "steps": k, "systems": args.systems, "device": device, **extra}
                 for m, r, k in plan_]
 
     def fake_jobs(plan_, device):  # DDP's comm hook needs real results: not on the fake process group
@@ -635,12 +828,26 @@ def report(data: dict, args) -> int:
     (args.out / "results.md").write_text(md)
     plotted = plot(runs, args.out / "results.png")
     if (not args.quick or args.write_results) and not args.no_write_results:
-        (HERE / "RESULTS.md").write_text(
-            md + "\nThe plot of these numbers is written to `benchmarks/out/results.png` (not committed); "
-            "the raw measurements (every repeat, every rank's memory) to `benchmarks/out/results.json`.\n")
+        write_results(md, mixed=meta.get("precision", "fp32") != "fp32")
     print(md)
     print(f"\nwrote {args.out}/results.json, results.md" + (", results.png" if plotted else ""))
     return 1 if guards else 0
+
+
+def write_results(md: str, *, mixed: bool, path: Path = HERE / "RESULTS.md") -> None:
+    """RESULTS.md: an fp32 run writes the file and keeps its mixed-precision section (from ``MP_SECTION`` on, at
+    the end); a mixed-precision run replaces that section only (or appends it)."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find("\n" + MP_SECTION + "\n")
+    fp32_part, mp_part = (old, "") if at < 0 else (old[: at + 1], old[at + 1 :])
+    if mixed:
+        text = fp32_part.rstrip("\n") + "\n\n" + md.rstrip("\n") + "\n" if fp32_part else md.rstrip("\n") + "\n"
+    else:
+        text = (md + "\nThe plot of these numbers is written to `benchmarks/out/results.png` (not committed); "
+                "the raw measurements (every repeat, every rank's memory) to `benchmarks/out/results.json`.\n")
+        if mp_part:
+            text += "\n" + mp_part
+    path.write_text(text)
 
 
 def _git_rev() -> str:

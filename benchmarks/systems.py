@@ -20,6 +20,16 @@ the same global batch, and exposes ``step() -> local loss`` (one forward, backwa
                   tensors until backward ends, as it differentiates with create_graph=True)
 * ``fs_fully_shard`` ``funcshard.fully_shard`` (FSDP2's module API) on each Block, then on the root, when it
                   exists; ``torch.optim.AdamW(foreach=True)``
+* ``fsdp2_fp32``  FSDP2 without mixed precision whatever the precision asked for: the fp32 reference of a
+                  mixed-precision run (its bytes, memory and losses)
+
+Precision (``build(..., precision=)``, ``bench.py --mp``): ``"fp32"`` (the default) builds every system as above,
+no mixed precision. ``"bf16"`` gives every sharded system the same policy, bf16 parameters (all-gather and
+compute) and fp32 gradient reduce-scatter, each through its own API: ``fsdp2`` torch's ``MixedPrecisionPolicy``,
+``fs_fully_shard`` funcshard's, ``fs_apply*`` ``funcshard.plan(mp_policy=...)``. Shards, gradients and AdamW
+state stay fp32 (master weights) in all of them. ``unsharded``, ``ddp`` and ``fsdp2_fp32`` stay fp32 (no
+autocast: autocast is not the same recipe as FSDP2's policy, so it would not be a like-for-like floor).
+The loss is computed on fp32 logits (``logits.float()``, a no-op in fp32), as mixed-precision training does.
 """
 
 from __future__ import annotations
@@ -40,6 +50,29 @@ SEED = 1234
 
 ALL_SYSTEMS = ("unsharded", "ddp", "fsdp2", "fs_apply", "fs_apply_torchfunc", "fs_fully_shard")
 SHARDED = ("fsdp2", "fs_apply", "fs_apply_torchfunc", "fs_fully_shard")
+
+# precision -> (param_dtype, reduce_dtype) of the MixedPrecisionPolicy every sharded system gets (None: none)
+PRECISIONS = {"fp32": None, "bf16": (torch.bfloat16, torch.float32)}
+FP32_ONLY = ("unsharded", "ddp", "fsdp2_fp32")  # built in fp32 whatever the precision
+
+
+def system_precision(name: str, precision: str) -> str:
+    """The precision system ``name`` runs in when the benchmark asks for ``precision``."""
+    return "fp32" if name in FP32_ONLY else precision
+
+
+def policy_description(precision: str) -> str:
+    dt = PRECISIONS[precision]
+    if dt is None:
+        return "fp32 (no mixed precision)"
+    n = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return f"param_dtype={n[dt[0]]}, reduce_dtype={n[dt[1]]}"
+
+
+def mp_policy(precision: str, policy_class):
+    """``policy_class(param_dtype=..., reduce_dtype=...)`` for ``precision``, None for fp32."""
+    dt = PRECISIONS[precision]
+    return None if dt is None else policy_class(param_dtype=dt[0], reduce_dtype=dt[1])
 
 
 @dataclass(frozen=True)
@@ -79,7 +112,8 @@ def batch(cfg: ModelConfig, rank: int, world: int, device) -> tuple[torch.Tensor
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    # fp32 logits: the loss of a mixed-precision step in fp32 (a no-op when the logits already are)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 def _adamw(params):
@@ -105,7 +139,7 @@ class _ModuleSystem:
 class Unsharded(_ModuleSystem):
     name = "unsharded"
 
-    def __init__(self, cfg, mesh, device, x, y):
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):  # fp32 whatever the precision
         model = cfg.build(device)
         super().__init__(model, _adamw(model.parameters()), x, y)
 
@@ -113,7 +147,7 @@ class Unsharded(_ModuleSystem):
 class DDP(_ModuleSystem):
     name = "ddp"
 
-    def __init__(self, cfg, mesh, device, x, y):
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):  # fp32 whatever the precision
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
             allreduce_hook,
         )
@@ -147,12 +181,29 @@ class FSDP2(_ModuleSystem):
 
         return fully_shard(module, **kwargs)
 
-    def __init__(self, cfg, mesh, device, x, y):
+    @staticmethod
+    def mp_policy(precision):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return mp_policy(precision, MixedPrecisionPolicy)
+
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):
         model = cfg.build(device)
+        policy = self.mp_policy(precision)
+        kw = {} if policy is None else {"mp_policy": policy}  # fp32: the call as before, no policy
         for blk in model.blocks:
-            self.fully_shard(blk, mesh=mesh)
-        self.fully_shard(model, mesh=mesh)
+            self.fully_shard(blk, mesh=mesh, **kw)
+        self.fully_shard(model, mesh=mesh, **kw)
         super().__init__(model, _adamw(model.parameters()), x, y)
+
+
+class FSDP2FP32(FSDP2):
+    """FSDP2 without mixed precision, whatever the precision asked for: a mixed-precision run's fp32 reference."""
+
+    name = "fsdp2_fp32"
+
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):
+        super().__init__(cfg, mesh, device, x, y, precision="fp32")
 
 
 class FSDP2Async(FSDP2):
@@ -161,8 +212,8 @@ class FSDP2Async(FSDP2):
 
     name = "fsdp2_async"
 
-    def __init__(self, cfg, mesh, device, x, y):
-        super().__init__(cfg, mesh, device, x, y)
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):
+        super().__init__(cfg, mesh, device, x, y, precision)
         from torch.distributed.fsdp import FSDPModule
 
         for m in self.model.modules():
@@ -174,18 +225,24 @@ class FSFullyShard(FSDP2):
     name = "fs_fully_shard"
     fully_shard = staticmethod(funcshard.fully_shard)
 
+    @staticmethod
+    def mp_policy(precision):
+        return mp_policy(precision, funcshard.MixedPrecisionPolicy)
+
 
 class FSApply:
     name = "fs_apply"
     plan_kwargs: ClassVar[dict] = {}  # e.g. {"layout": "flat"} in a variant
 
-    def __init__(self, cfg, mesh, device, x, y):
+    def __init__(self, cfg, mesh, device, x, y, precision="fp32"):
         from funcshard import optim
 
         full = cfg.build(device)
         with torch.device("meta"):
             skeleton = GPT(cfg.vocab, cfg.dim, cfg.heads, cfg.layers, cfg.seq)
-        self.plan = funcshard.plan(skeleton, mesh, groups=(Block,), **self.plan_kwargs)
+        policy = mp_policy(precision, getattr(funcshard, "MixedPrecisionPolicy", None))
+        kw = {} if policy is None else {"mp_policy": policy}
+        self.plan = funcshard.plan(skeleton, mesh, groups=(Block,), **kw, **self.plan_kwargs)
         self.state = funcshard.shard(self.plan, dict(full.named_parameters()))
         del full
         self.tx = optim.adamw(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -246,7 +303,7 @@ DONATE = _has_donate()
 
 
 BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fsdp2_async": FSDP2Async, "fs_apply": FSApply,
-            "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard}
+            "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard, "fsdp2_fp32": FSDP2FP32}
 
 
 def available(name: str) -> str | None:
@@ -256,8 +313,10 @@ def available(name: str) -> str | None:
     return None
 
 
-def build(name: str, cfg: ModelConfig, mesh, device, x, y):
-    return BUILDERS[name](cfg, mesh, device, x, y)
+def build(name: str, cfg: ModelConfig, mesh, device, x, y, precision: str = "fp32"):
+    if precision == "fp32":
+        return BUILDERS[name](cfg, mesh, device, x, y)  # every system's fp32 build, as before
+    return BUILDERS[name](cfg, mesh, device, x, y, precision=precision)
 
 
 def world_loss(loss: torch.Tensor, group) -> float:

@@ -98,3 +98,35 @@ def test_trace_overlap_arithmetic():
     o = T.overlap(T.lanes(events, main))
     assert o["comm_ms"] * 1e3 == 6 and o["blocked_ms"] * 1e3 == 4
     assert o["hidden_ms"] * 1e3 == 4 and o["hidden_frac"] == 4 / 6
+
+
+def test_results_md_keeps_and_replaces_the_mixed_precision_section(tmp_path):
+    import bench
+
+    path = tmp_path / "RESULTS.md"
+    bench.write_results("# fp32 run 1\n", mixed=False, path=path)
+    fp32 = path.read_text()
+    bench.write_results(f"{bench.MP_SECTION}\n\nA\n", mixed=True, path=path)
+    assert path.read_text() == fp32 + f"\n{bench.MP_SECTION}\n\nA\n"  # appended, the fp32 part untouched
+    bench.write_results(f"{bench.MP_SECTION}\n\nB\n", mixed=True, path=path)
+    assert path.read_text() == fp32 + f"\n{bench.MP_SECTION}\n\nB\n"  # replaced
+    bench.write_results("# fp32 run 2\n", mixed=False, path=path)
+    text = path.read_text()
+    assert text.startswith("# fp32 run 2\n") and text.endswith(f"\n{bench.MP_SECTION}\n\nB\n")  # kept
+
+
+def test_mixed_precision_guard_compares_each_system_with_the_fsdp2_of_its_precision():
+    import bench
+
+    def run(**losses):
+        return {"backend": "gloo", "world": 2, "model": {"name": "m"}, "precision": "bf16",
+                "systems": {n: {"loss": v} for n, v in losses.items()}}
+
+    ok = run(fsdp2=[2.0, 1.5], fs_fully_shard=[2.0, 1.5], fs_apply=[2.0, 1.5 + 1e-4], fsdp2_fp32=[2.001, 1.6],
+             unsharded=[2.001, 9.0], ddp=[2.001, 1.6])
+    assert bench.guard(ok) == []
+    assert ok["systems"]["ddp"]["loss_ref"] == "fsdp2_fp32" and ok["systems"]["fs_apply"]["loss_ref"] == "fsdp2"
+    assert ok["systems"]["fsdp2_fp32"]["loss_tol"] is None  # what bf16 does to the loss: recorded, not checked
+    bad = run(fsdp2=[2.0, 1.5], fs_apply=[2.0 + 1e-5, 1.5], fsdp2_fp32=[2.001, 1.6], ddp=[2.001, 1.7])
+    msgs = bench.guard(bad)
+    assert len(msgs) == 2 and "fs_apply: step-1" in msgs[0] and "ddp: step-2" in msgs[1]
