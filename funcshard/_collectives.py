@@ -485,8 +485,11 @@ class PendingReduce:
                 if shard_dtype is not None and out.dtype != shard_dtype:
                     out = out.to(shard_dtype)
                 # the shards are consecutive in the output (flat layout: the pieces of this rank's slice)
-                for i, piece in zip(ix, unflatten_dense_tensors(out, layout.shard_templates[dt])):
-                    result[i] = piece if piece.dtype == layout.specs[i].dtype else piece.to(layout.specs[i].dtype)
+                pieces = unflatten_dense_tensors(out, layout.shard_templates[dt])
+                if shard_dtype is None:  # shards of several dtypes in one bucket: each cast on its own
+                    pieces = [p.to(layout.specs[i].dtype) for i, p in zip(ix, pieces)]
+                for i, piece in zip(ix, pieces):
+                    result[i] = piece
         return result  # type: ignore[return-value]
 
 

@@ -39,7 +39,7 @@ class _Slots:
 class Binding:
     """Every group's parameter slots in the module."""
 
-    def __init__(self, plan: Plan, slots: dict[str, list]):
+    def __init__(self, slots: dict[str, list]):
         self.groups = {name: _Slots(s) for name, s in slots.items()}
 
     def swap_in(self, name: str) -> bool:

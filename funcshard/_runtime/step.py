@@ -78,7 +78,7 @@ class Step:
         facts = self.facts = _facts(plan)
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state) for g in plan.groups}
-        self.binding = Binding(plan, facts.slots)
+        self.binding = Binding(facts.slots)
         self.tracker = ForwardTracker(facts.members)
         self.prefetcher = Prefetcher(self)
         self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)
@@ -116,8 +116,7 @@ class Step:
 
     def release(self, name: str) -> None:
         """Free the group and put the module's own parameters back (outside forward and backward)."""
-        self.reshard(name)
-        self.binding.swap_out(name)
+        self.reshard(name)  # (it swaps the module's own parameters back in)
         self.nodes.loosen(name)
 
     def swap_in(self, name: str) -> None:

@@ -33,7 +33,7 @@ def _not_built(what: str, instead: str) -> NotImplementedError:
     return NotImplementedError(f"{what} is not built yet in funcshard's fully_shard; {instead}")
 
 
-def _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims) -> None:
+def _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims) -> None:
     if dp_mesh_dims is not None:
         raise _not_built("dp_mesh_dims (DTensor parameters on a full SPMD mesh)", "pass a 1-D data-parallel mesh")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -342,7 +342,7 @@ def fully_shard(
             raise ValueError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
                              f"module, bottom-up (submodules first, then their ancestors)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
-    _check_unbuilt(mesh, reshard_after_forward, mp_policy, offload_policy, dp_mesh_dims)
+    _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
     device = device_of(mesh)
     check_mesh(mesh)
