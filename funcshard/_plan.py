@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._schedule import label, schedule
 from funcshard._mesh import mesh_str, resolve_mesh
-from funcshard._policy import MixedPrecisionPolicy, check_mp_policy, reshard_after_forward_default
+from funcshard._policy import MixedPrecisionPolicy, check_mp_policy, compute_dtype, reshard_after_forward_default
 from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
 
 __all__ = ["Group", "Plan", "plan"]
@@ -443,9 +443,8 @@ def _check_schedule(p: Plan) -> None:
             if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
                 raise ShardingError(f"group {label(g.name)!r}: {f}={dt} is not a floating point dtype; mixed "
                                     f"precision uses torch.bfloat16, torch.float16 or torch.float32 (None: no cast)")
-        if p.layout == "flat" and (g.param_dtype is not None or g.reduce_dtype is not None):
-            raise ShardingError(f"group {label(g.name)!r}: mixed precision with layout='flat' is not built yet (the "
-                                f"flat buffer is laid out in the parameters' dtype); use layout='per_param'")
+        if p.layout == "flat" and g.param_dtype is not None:
+            _check_flat_precision(p, g)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise ShardingError(
             f"prefetch depths must be >= 0, got forward {p.forward_prefetch}, backward {p.backward_prefetch}"
@@ -476,6 +475,25 @@ def _check_schedule(p: Plan) -> None:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
     if p.grad_divide_factor is not None and not p.grad_divide_factor > 0:
         raise ShardingError(f"grad_divide_factor must be > 0, got {p.grad_divide_factor}")
+
+
+def _check_flat_precision(p: Plan, g: Group) -> None:
+    """In the flat layout a group's parameters of one dtype share one flat buffer (their slots are fixed when the
+    specs are made, whatever the precision), and the all-gather of a compute dtype is one such buffer: parameters of
+    two dtypes that ``param_dtype`` casts to one compute dtype would be two buffers in one collective."""
+    by_compute: dict[torch.dtype, dict[torch.dtype, list[str]]] = {}
+    for q in g.params:
+        s = p.specs[q]
+        by_compute.setdefault(compute_dtype(s.dtype, g.param_dtype), {}).setdefault(s.dtype, []).append(q)
+    for dt, origs in by_compute.items():
+        if len(origs) > 1:
+            found = "; ".join(f"{str(o).removeprefix('torch.')}: {names[:3]}{' ...' if len(names) > 3 else ''}"
+                              for o, names in origs.items())
+            raise ShardingError(
+                f"group {label(g.name)!r}: param_dtype={g.param_dtype} casts parameters of "
+                f"{len(origs)} dtypes to {dt} ({found}); with layout='flat' each dtype is its own flat buffer, so "
+                f"they cannot share one all-gather. Use layout='per_param', give them one dtype, or put the "
+                f"parameters of each dtype in a group of their own")
 
 
 def module_params(plan: Plan) -> dict[str, torch.Tensor]:

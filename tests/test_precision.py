@@ -71,6 +71,17 @@ class _GatedMLP(MLP):
         self.blocks[1] = _Gated()
 
 
+def _mixed_model(layers, *, whole_block=None, one_layer=None):
+    """An MLP whose parameters already mix dtypes: block ``whole_block`` in bf16, or block ``one_layer``'s l1 in bf16
+    beside its fp32 l2."""
+    model = MLP(layers=layers)
+    if whole_block is not None:
+        model.blocks[whole_block].to(BF16)
+    if one_layer is not None:
+        model.blocks[one_layer].l1.to(BF16)
+    return model
+
+
 def _mse(pred, y):
     return F.mse_loss(pred.float(), y)
 
@@ -117,6 +128,19 @@ def _scenario(name, fs, mesh, policy):
             fs.fully_shard(m, mesh=mesh, mp_policy=cast)
         fs.fully_shard(model, mesh=mesh, mp_policy=cast)
         return _fit(model, loss=_mse)
+    if name == "mixed_dtypes":  # a model whose parameters already mix dtypes: one block in bf16, the rest fp32
+        torch.manual_seed(0)
+        model = _mixed_model(layers=3, whole_block=1)
+        return _fit(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
+    if name == "mixed_dtypes_in_one_unit":
+        # one unit holding bf16 and fp32 parameters: FSDP2 refuses ("uniform original parameter dtype"), funcshard
+        # trains it. Reference: FSDP2 with the bf16 layer a unit of its own. Each element is cast, summed, divided
+        # and cast back the same way whatever the grouping, so the results must be bit-identical.
+        torch.manual_seed(0)
+        model = _mixed_model(layers=2, one_layer=0)
+        if fs is torch_fsdp:
+            fs.fully_shard(model.blocks[0].l1, mesh=mesh, mp_policy=mp)
+        return _fit(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
     if name.startswith("fresh_param"):
         # pt#196996: without sync, a parameter first used in the last microbatch has a fresh gradient in param_dtype
         # beside its group's reduce_dtype accumulations. FSDP2 asserts ("expects uniform gradient dtype"); funcshard
@@ -147,7 +171,8 @@ def _parity(names, policy):
 
 
 SCENARIOS = ["reshard_true", "reshard_false", "reshard_none", "accumulate_no_sync", "clip", "frozen", "tied",
-             "nested_policies", "force_sum_divide", "fresh_param", "dataclass_inputs", "units_without_parameters"]
+             "nested_policies", "force_sum_divide", "fresh_param", "dataclass_inputs", "units_without_parameters",
+             "mixed_dtypes", "mixed_dtypes_in_one_unit"]
 
 
 @pytest.mark.parametrize("policy,world", [("bf16_fp32", 2), ("bf16_bf16", 2), ("bf16_fp32", 4), ("bf16_bf16", 4),
@@ -191,8 +216,16 @@ def _functional_vs_fully_shard(policy):
         loss, grads = funcshard.value_and_grad(lambda s: _mse(funcshard.apply(plan, s, x), y))(state)
     torch.manual_seed(0)  # the same initial parameters as `model`
     fs_model = _nested(funcshard, MLP(layers=3), _mesh(), mp_policy=mp)
-    fs_loss = _mse(fs_model(x), y)
-    fs_loss.backward()
+    with IssuedCollectives() as rec_fs:
+        fs_loss = _mse(fs_model(x), y)
+        fs_loss.backward()
+    torch.manual_seed(0)
+    ref_model = _nested(torch_fsdp, MLP(layers=3), _mesh(), mp_policy=torch_fsdp.MixedPrecisionPolicy(
+        **POLICIES[policy]))
+    with IssuedCollectives() as rec_ref:
+        _mse(ref_model(x), y).backward()
+    # every collective of the step, kind, dtype and bytes, as torch's FSDP2 issues them (the order may differ)
+    same_as_fsdp2 = sorted(rec_fs.calls, key=str) == sorted(rec_ref.calls, key=str)
     rank = dist.get_rank()
     same = all(torch.equal(grads[k], plan.specs[k].local_shard(_local(p.grad), rank))
                for k, p in fs_model.named_parameters())
@@ -204,13 +237,15 @@ def _functional_vs_fully_shard(policy):
     from funcshard._schedule import schedule
 
     return (loss.item() == fs_loss.item(), same, {k: v.dtype for k, v in grads.items()} == {
-        k: v.dtype for k, v in state.items()}, ag, ag32, schedule(plan).totals()["all-gather"], str(plan))
+        k: v.dtype for k, v in state.items()}, ag, ag32, schedule(plan).totals()["all-gather"], str(plan),
+        same_as_fsdp2)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_functional_path_matches_fully_shard_and_halves_the_all_gather(policy):
-    for same_loss, same_grads, dtypes, ag, ag32, planned, printed in run_ranks(2, _functional_vs_fully_shard, policy):
-        assert same_loss and same_grads and dtypes
+    for same_loss, same_grads, dtypes, ag, ag32, planned, printed, same_as_fsdp2 in run_ranks(
+            2, _functional_vs_fully_shard, policy):
+        assert same_loss and same_grads and dtypes and same_as_fsdp2
         assert ag * 2 == ag32 and planned == ag  # bf16 all-gathers: half the bytes, as the schedule says
         assert f"param_dtype={POLICIES[policy]['param_dtype']}" in printed
 
@@ -239,3 +274,84 @@ def _functional_edges():
 def test_gather_and_other_calls_under_a_policy():
     for exact, plain, other, out in run_ranks(2, _functional_edges):
         assert exact and plain == other == torch.float32 and out == BF16
+
+
+def _flat_layout(policy):
+    """layout="flat" under a policy: the same loss and gradients as the per-parameter layout (each element is cast,
+    summed and divided alike; only where the padding sits differs), all-gather bytes as planned and half of fp32's;
+    a group whose parameters of two dtypes would share one all-gather is refused."""
+    from test_schedule import IssuedCollectives
+
+    from models import Block
+
+    mp = funcshard.MixedPrecisionPolicy(**POLICIES[policy])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+    torch.manual_seed(0)
+    model = _mixed_model(layers=3, whole_block=1)  # dtypes differ between groups, not within one
+    out = {}
+    for layout in ("per_param", "flat"):
+        plan = funcshard.plan(model, _mesh(), groups=(Block,), mp_policy=mp, layout=layout)
+        state = funcshard.shard(plan)
+        with IssuedCollectives() as rec:
+            loss, grads = funcshard.value_and_grad(lambda s: _mse(funcshard.apply(plan, s, x), y))(state)
+        from funcshard._schedule import schedule
+
+        out[layout] = (loss.item(), funcshard.gather(plan, grads), {k: v.dtype for k, v in grads.items()} == {
+            k: v.dtype for k, v in state.items()}, sum(b for kind, _, _, b in rec.calls if kind == "all-gather")
+            == schedule(plan).totals()["all-gather"])
+    (l_pp, g_pp, _, _), (l_flat, g_flat, dtypes, as_planned) = out["per_param"], out["flat"]
+    same = l_pp == l_flat and all(torch.equal(g_pp[k], g_flat[k]) for k in g_pp)
+    torch.manual_seed(0)
+    fp32 = MLP(layers=3)
+    counted = []
+    for policy_ in (mp, None):
+        plan = funcshard.plan(fp32, _mesh(), groups=(Block,), mp_policy=policy_, layout="flat")
+        with IssuedCollectives() as rec:
+            funcshard.value_and_grad(lambda s: _mse(funcshard.apply(plan, s, x), y))(funcshard.shard(plan))
+        counted.append(sum(b for kind, _, _, b in rec.calls if kind == "all-gather"))
+    try:
+        funcshard.plan(_mixed_model(layers=2, one_layer=0), _mesh(), groups=(Block,), mp_policy=mp, layout="flat")
+        refused = "no error"
+    except funcshard.ShardingError as e:
+        refused = str(e)
+    return same, dtypes, as_planned, counted[0] * 2 == counted[1], refused
+
+
+@pytest.mark.parametrize("policy", ["bf16_fp32", "fp16_fp16"])
+def test_flat_layout_under_a_policy(policy):
+    for same, dtypes, as_planned, halved, refused in run_ranks(2, _flat_layout, policy):
+        assert same and dtypes and as_planned and halved
+        assert "group 'blocks.0': param_dtype=" in refused and "casts parameters of 2 dtypes" in refused
+        assert "Use layout='per_param'" in refused
+
+
+def _mixed_in_one_group(policy):
+    """The functional path on a group that mixes bf16 and fp32 parameters: the same gradients as fully_shard (whose
+    parity with FSDP2 is the 'mixed_dtypes_in_one_unit' scenario), each in its parameter's dtype."""
+    from models import Block
+
+    mp = funcshard.MixedPrecisionPolicy(**POLICIES[policy])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+    torch.manual_seed(0)
+    model = _mixed_model(layers=2, one_layer=0)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,), mp_policy=mp)
+    state = funcshard.shard(plan)
+    loss, grads = funcshard.value_and_grad(lambda s: _mse(funcshard.apply(plan, s, x), y))(state)
+    torch.manual_seed(0)
+    fs_model = _nested(funcshard, _mixed_model(layers=2, one_layer=0), _mesh(), mp_policy=mp)
+    fs_loss = _mse(fs_model(x), y)
+    fs_loss.backward()
+    rank = dist.get_rank()
+    same = all(torch.equal(grads[k], plan.specs[k].local_shard(_local(p.grad), rank))
+               for k, p in fs_model.named_parameters())
+    return loss.item() == fs_loss.item(), same, {k: str(v.dtype) for k, v in grads.items() if "blocks.0" in k}
+
+
+@pytest.mark.parametrize("policy", ["bf16_fp32", "bf16_bf16"])
+def test_functional_path_on_a_group_of_mixed_dtypes(policy):
+    for same_loss, same_grads, dtypes in run_ranks(2, _mixed_in_one_group, policy):
+        assert same_loss and same_grads
+        assert dtypes == {"blocks.0.l1.weight": "torch.bfloat16", "blocks.0.l1.bias": "torch.bfloat16",
+                          "blocks.0.l2.weight": "torch.float32", "blocks.0.l2.bias": "torch.float32"}
