@@ -86,40 +86,44 @@ def _mse(pred, y):
     return F.mse_loss(pred.float(), y)
 
 
+def _fit10(model, **kw):  # the parity runs: 10 optimizer steps
+    return _fit(model, steps=10, **kw)
+
+
 def _scenario(name, fs, mesh, policy):
     mp = fs.MixedPrecisionPolicy(**policy)
     torch.manual_seed(0)
     if name.startswith("reshard_"):
         rsf = {"reshard_true": True, "reshard_false": False, "reshard_none": None}[name]
-        return _fit(_nested(fs, MLP(layers=3), mesh, reshard_after_forward=rsf, mp_policy=mp), loss=_mse)
+        return _fit10(_nested(fs, MLP(layers=3), mesh, reshard_after_forward=rsf, mp_policy=mp), loss=_mse)
     if name == "accumulate_no_sync":
         model = _nested(fs, MLP(layers=2), mesh, mp_policy=mp)
-        return _fit(model, micro=3, each=lambda m, s, k: m.set_requires_gradient_sync(k == 2), loss=_mse)
+        return _fit10(model, micro=3, each=lambda m, s, k: m.set_requires_gradient_sync(k == 2), loss=_mse)
     if name == "clip":
-        return _fit(_nested(fs, MLP(layers=2), mesh, mp_policy=mp), clip=0.05, loss=_mse)
+        return _fit10(_nested(fs, MLP(layers=2), mesh, mp_policy=mp), clip=0.05, loss=_mse)
     if name == "frozen":
         model = MLP(layers=3)
         model.blocks[0].l1.weight.requires_grad_(False)
         model.blocks[2].requires_grad_(False)
-        return _fit(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
+        return _fit10(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
     if name == "tied":
         model = _nested(fs, GPT(vocab=32, d=16, heads=2, layers=2, seq=8, tied=True), mesh, mp_policy=mp)
-        return _fit(model, batch=_gpt_batch, loss=_gpt_loss)
+        return _fit10(model, batch=_gpt_batch, loss=_gpt_loss)
     if name == "nested_policies":  # blocks in bf16 with fp32 outputs, the root in fp32
         model = MLP(layers=2)
         for b in model.blocks:
             fs.fully_shard(b, mesh=mesh, mp_policy=fs.MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
         fs.fully_shard(model, mesh=mesh, mp_policy=fs.MixedPrecisionPolicy(param_dtype=torch.float32))
-        return _fit(model)
+        return _fit10(model)
     if name == "force_sum_divide":  # FSDP2 needs force-sum for a divide factor other than the world on gloo
         model = _nested(fs, MLP(layers=2), mesh, mp_policy=mp)
         for m in (model, *model.blocks):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(3.0)
-        return _fit(model, loss=_mse)
+        return _fit10(model, loss=_mse)
     if name == "dataclass_inputs":
         model = _nested(fs, _DataclassMLP(layers=2), mesh, mp_policy=mp)
-        return _fit(model, loss=_mse, call=lambda m, x: m(_Batch(x, torch.full((6,), 0.777))))
+        return _fit10(model, loss=_mse, call=lambda m, x: m(_Batch(x, torch.full((6,), 0.777))))
     if name == "units_without_parameters":  # a parameterless inner unit and a root whose parameters are all in
         # children, each with its own policy's casts (bf16 in, fp32 out)
         cast = fs.MixedPrecisionPolicy(**policy, output_dtype=torch.float32)
@@ -127,11 +131,11 @@ def _scenario(name, fs, mesh, policy):
         for m in model:
             fs.fully_shard(m, mesh=mesh, mp_policy=cast)
         fs.fully_shard(model, mesh=mesh, mp_policy=cast)
-        return _fit(model, loss=_mse)
+        return _fit10(model, loss=_mse)
     if name == "mixed_dtypes":  # a model whose parameters already mix dtypes: one block in bf16, the rest fp32
         torch.manual_seed(0)
         model = _mixed_model(layers=3, whole_block=1)
-        return _fit(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
+        return _fit10(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
     if name == "mixed_dtypes_in_one_unit":
         # one unit holding bf16 and fp32 parameters: FSDP2 refuses ("uniform original parameter dtype"), funcshard
         # trains it. Reference: FSDP2 with the bf16 layer a unit of its own. Each element is cast, summed, divided
@@ -140,7 +144,7 @@ def _scenario(name, fs, mesh, policy):
         model = _mixed_model(layers=2, one_layer=0)
         if fs is torch_fsdp:
             fs.fully_shard(model.blocks[0].l1, mesh=mesh, mp_policy=mp)
-        return _fit(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
+        return _fit10(_nested(fs, model, mesh, mp_policy=mp), loss=_mse)
     if name.startswith("fresh_param"):
         # pt#196996: without sync, a parameter first used in the last microbatch has a fresh gradient in param_dtype
         # beside its group's reduce_dtype accumulations. FSDP2 asserts ("expects uniform gradient dtype"); funcshard
@@ -153,7 +157,7 @@ def _scenario(name, fs, mesh, policy):
             m.set_requires_gradient_sync(k == 2)
             m.blocks[1].use, m.blocks[1].zero = k == 2, zero
 
-        return _fit(model, micro=3, each=each, loss=_mse)
+        return _fit10(model, micro=3, each=each, loss=_mse)
     raise KeyError(name)
 
 
