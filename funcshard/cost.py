@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard._compat import fake_store
+from funcshard._compat import all_gather_name, fake_store
 from funcshard._cost_trace import (
     BWD_END,
     BWD_START,
@@ -134,7 +134,7 @@ def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | No
 
             def once():
                 dist.barrier(group=pg)
-                dist.all_gather_into_tensor(full, inp, group=pg)
+                getattr(dist, all_gather_name)(full, inp, group=pg)
             return _timed(run(once), 7)
 
         small, big = 1024, 2**22
