@@ -48,52 +48,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from funcshard.trace import complement, intersect, length, union
+
 WAIT = "trace::wait"
 MODELS = {"tiny": bench.TINY, "m10": bench.M10}  # the benchmark's 33-group and 10M models
 
 
-# ---- interval arithmetic on a chrome trace ---------------------------------------------------------------
-
-
-def union(intervals) -> list[tuple[float, float]]:
-    """Merge ``(start, end)`` intervals into disjoint sorted ones."""
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def length(intervals) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def intersect(xs, ys) -> list[tuple[float, float]]:
-    """Intersection of two disjoint sorted interval lists."""
-    out, i, j = [], 0, 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if a < b:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def complement(intervals, start: float, end: float) -> list[tuple[float, float]]:
-    """``[start, end]`` minus disjoint sorted ``intervals``."""
-    out, at = [], start
-    for a, b in intervals:
-        if a > at:
-            out.append((at, min(a, end)))
-        at = max(at, b)
-    if at < end:
-        out.append((at, end))
-    return out
+# ---- reading a chrome trace (interval arithmetic: funcshard.trace's) -----------------------------------
 
 
 def lanes(events: list[dict], main_tid: int) -> dict:

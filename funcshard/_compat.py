@@ -102,6 +102,18 @@ new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) 
 # ---- torch.distributed: renamed collectives (public names; chosen here with the other version differences) ---
 # torch 2.13 renamed the tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
 # -> reduce_scatter_single); older releases have only the old names.
+# ---- the cost model's one-process trace (funcshard/_cost_trace.py): fake tensors and a dispatch mode -------------
+FakeTensorMode = require("torch._subclasses.fake_tensor.FakeTensorMode")  # tensors with shapes, devices, no data
+TorchDispatchMode = require("torch.utils._python_dispatch.TorchDispatchMode")  # sees every op below autograd
+
+
+def fake_store():
+    """The store of torch's fake process group (``backend="fake"``: collectives do nothing), for ``cost.fake_mesh``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
 all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
@@ -117,5 +129,5 @@ __all__ = [
     "foreach_sqrt",
     "torch_tree_leaves", "torch_tree_map_only",
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "new_dtensor",
-    "all_gather_name", "reduce_scatter_name",
+    "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "fake_store",
 ]

@@ -73,7 +73,8 @@ def _model(kind):
     return model, groups
 
 
-def _step_vs_schedule(depth, reshard, model_kind, layout, lists):
+def matrix_step(depth, reshard, model_kind, layout, lists):
+    """One case of the matrix on this rank: (plan, trainable shards, frozen shards, input)."""
     model, groups = _model(model_kind)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plan = funcshard.plan(model, mesh, groups=groups, prefetch=depth, reshard_after_forward=reshard, layout=layout)
@@ -87,6 +88,11 @@ def _step_vs_schedule(depth, reshard, model_kind, layout, lists):
     trainable = {k: v for k, v in state.items() if v.requires_grad}
     frozen = {k: v for k, v in state.items() if not v.requires_grad}
     x = torch.arange(4).view(2, 2) if model_kind == "settings" else torch.randn(2, 7)
+    return plan, trainable, frozen, x
+
+
+def _step_vs_schedule(depth, reshard, model_kind, layout, lists):
+    plan, trainable, frozen, x = matrix_step(depth, reshard, model_kind, layout, lists)
     with IssuedCollectives() as rec:
         torch.func.grad(lambda tr: funcshard.apply(plan, {**tr, **frozen}, x).float().square().sum())(trainable)
     step = schedule(plan)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._collectives import no_functorch, raw_grads, start_reduce_scatter
+from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
 from funcshard._tree import module_io_leaves
 
@@ -42,7 +43,10 @@ class ReduceQueue(Part):
         step.frozen.grads_done(name)
         self.finish()
         with no_functorch():
-            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name))
+            pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name))
+        if LISTENERS:
+            emit("reduce-scatter issued", name, pending)
+        return pending
 
     def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
         self.item = (name, pending, factor, sink, extra)
@@ -52,8 +56,13 @@ class ReduceQueue(Part):
             return None
         name, pending, factor, sink, extra = self.item
         self.item = None
+        if LISTENERS:
+            emit("reduce-scatter wait", name, pending)
         with no_functorch():
-            return name, pending.finish(factor), sink, extra
+            shards = pending.finish(factor)
+        if LISTENERS:
+            emit("reduce-scatter done", name, pending)
+        return name, shards, sink, extra
 
     def finish(self) -> None:
         """Wait for the reduce-scatter in flight, if any, and deliver its shards."""

@@ -16,6 +16,7 @@ import torch
 from funcshard._collectives import Buckets, free_buffers, no_functorch, no_grad, start_gather, unwrapped
 from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._plan import Group
+from funcshard._runtime.observe import LISTENERS, emit
 
 
 class Status(enum.Enum):
@@ -76,6 +77,8 @@ class GroupBuffers:
             else:
                 self.pending = start_gather(self.layout, flat, pg, rank)
         self.status = Status.GATHERING
+        if LISTENERS:
+            emit("all-gather issued", self.group.name, self)
 
     def allocate(self) -> None:
         if self.bases is None:
@@ -89,6 +92,8 @@ class GroupBuffers:
         """GATHERING -> GATHERED: wait for the all-gather and copy out into the buffers."""
         if self.status is not Status.GATHERING:
             return
+        if LISTENERS:
+            emit("all-gather wait", self.group.name, self)
         with no_functorch(), no_grad():
             fresh = self.bases is None  # new buffers: nothing can have saved them yet
             if not self.layout.flat:
@@ -103,6 +108,8 @@ class GroupBuffers:
                 self.versions = None
         self.pending = None
         self.status = Status.GATHERED
+        if LISTENERS:
+            emit("gathered", self.group.name, self)
 
     def free(self) -> None:
         """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight."""
@@ -112,6 +119,8 @@ class GroupBuffers:
         with no_functorch():
             free_buffers(self.bases)
         self.status = Status.SHARDED
+        if LISTENERS:
+            emit("freed", self.group.name, self)
 
     def views(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameters as views of the buffers (no autograd history)."""

@@ -36,6 +36,7 @@ from funcshard._policy import cast_floating
 from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
 from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, slots
 from funcshard._runtime.buffers import GroupBuffers, Status
+from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
@@ -335,8 +336,13 @@ class Step:
             self.reduce_later(name, grads, self.sink)
             return [None] * n
         pending = self.reduce_queue.start(name, grads)
+        if LISTENERS:
+            emit("reduce-scatter wait", name, pending)
         with no_functorch():
-            return pending.finish(self.divide_factor(name))
+            shards = pending.finish(self.divide_factor(name))
+        if LISTENERS:
+            emit("reduce-scatter done", name, pending)
+        return shards
 
     def reduce_later(self, name: str, grads: list, sink: Any) -> None:
         """``post_backward`` whose reduce-scatter is taken later: in the next group's post-backward or at the end of

@@ -1,0 +1,517 @@
+"""What a plan costs per rank, predicted on one CPU process: memory by category, collectives, step time.
+
+    mesh = funcshard.cost.fake_mesh(8)                           # a target world size, no ranks needed
+    plan = funcshard.plan(model, mesh, groups=(Block,))          # the model may live on the meta device
+    c = funcshard.cost.estimate(plan, x, loss=lambda out: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                optimizer=optim.adamw(1e-3), hardware=funcshard.cost.Hardware.cpu_default())
+    print(c)                          # peak bytes by category, bytes and count per collective, step time
+    fits = funcshard.cost.sweep(model, mesh, x, loss=..., budget=2 * 2**30, groups=[(Block,), None])
+
+How. The collectives and their bytes are the plan's schedule (``_schedule``, what the runtime issues, exactly).
+Activations, the unsharded gradients and each op's FLOPs and bytes come from one traced step of the unsharded
+module on fake tensors (``_cost_trace.profile_step``: the real kernels' shapes, no data), marked where each
+group's forward and backward start and end; the optimizer state and its update's transients from a traced update
+on fake shards. :func:`estimate` then replays the schedule against those marks as the runtime executes it: a
+group's all-gather buffer from its issue (on use or by a prefetch) to its copy-out, its unsharded parameters from
+then to its free, its gradients until the reduce-scatter's copy-in, one reduce-scatter in flight (input and
+output) until the next group's post-backward takes it. Memory is the sum at every point; the peak is the highest.
+Time: a main thread running the traced ops (roofline per op: ``max(FLOPs / flops_per_s, bytes / memory_bytes_per_s)``
+plus a fixed cost per op and per group) and one communication channel running the collectives in issue order
+(``latency_s + bytes on the wire / link_bytes_per_s``, ring algorithms: ``(W - 1) / W`` of the buffer), the main
+thread waiting where the runtime waits (a group's use, the next post-backward, the end of backward).
+
+What it does not model: compute slowed down by communication sharing the cores (gloo on CPU) or memory bandwidth;
+the allocator's caching and fragmentation (on CUDA, reserved memory is above these live bytes); a rank's
+difference from rank 0 (padding sits on the last ranks; the prediction is rank 0's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from funcshard._compat import all_gather_name, fake_store
+from funcshard._cost_trace import (
+    BWD_END,
+    BWD_START,
+    FWD_END,
+    FWD_START,
+    StepProfile,
+    Stretch,
+    UpdateProfile,
+    profile_step,
+    profile_update,
+)
+from funcshard._plan import ROOT, Plan
+from funcshard._schedule import ALL_GATHER, BACKWARD, FREE, REDUCE_SCATTER, Collective, Op, label, schedule
+
+__all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
+
+CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "optimizer_state", "comm_buffers", "activations")
+
+
+# ---- hardware figures ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The figures the step-time estimate uses, per rank.
+
+    Attributes:
+        flops_per_s: compute throughput of matrix products (FLOP/s).
+        memory_bytes_per_s: memory traffic of element-wise ops and copies (bytes read + written per second).
+        link_bytes_per_s: what one rank sends (and receives) per second in a collective.
+        latency_s: fixed cost of one collective.
+        op_overhead_s: fixed cost of one op (dispatch, kernel launch).
+        group_overhead_s: the runtime's fixed cost per group and step (hooks, copies' setup, Python).
+    """
+
+    flops_per_s: float
+    memory_bytes_per_s: float
+    link_bytes_per_s: float
+    latency_s: float = 0.0
+    op_overhead_s: float = 0.0
+    group_overhead_s: float = 0.0
+
+    def collective_s(self, c: Collective) -> float:
+        """One all-gather or reduce-scatter: ring algorithms send ``(W - 1) / W`` of the unsharded buffer."""
+        return self.latency_s + c.nbytes * (c.world - 1) / c.world / self.link_bytes_per_s
+
+    def stretch_s(self, s: Stretch) -> float:
+        return s.seconds(self.flops_per_s, self.memory_bytes_per_s) + len(s.flops) * self.op_overhead_s
+
+
+def _timed(fn: Callable[[], Any], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | None = None) -> Hardware:
+    """Measure this process's figures in a few seconds: a 1024^3 fp32 matrix product (FLOP/s), a 64 MiB add
+    (memory bytes/s), a loop of tiny adds (op overhead), and, when ``mesh`` has several ranks on a real process
+    group, all-gathers of 4 KiB and 16 MiB per rank (latency, link bytes/s; every rank must call it then). Run it
+    where the training runs (same device, same ``torch.set_num_threads``). ``group_overhead_s`` is left 0: pass
+    a measured one with ``dataclasses.replace``."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cpu") if mesh is None or mesh.device_type == "cpu" else torch.device(mesh.device_type,
+                                                                                         torch.cuda.current_device()))
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def run(fn):
+        def call():
+            fn()
+            sync()
+        return call
+
+    n = 1024
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    flops = 2 * n**3 / _timed(run(lambda: a @ b))
+    x, y = torch.randn(2**24, device=dev), torch.randn(2**24, device=dev)
+    out = torch.empty_like(x)
+    mem = 3 * x.numel() * 4 / _timed(run(lambda: torch.add(x, y, out=out)))
+    s = torch.ones(1, device=dev)
+    op = _timed(run(lambda: [torch.add(s, s) for _ in range(200)])) / 200
+    link, latency = float("inf"), 0.0
+    if mesh is not None and mesh.size(mesh.ndim - 1) > 1 and dist.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
+        pg = mesh.get_group(mesh.ndim - 1)
+        world = mesh.size(mesh.ndim - 1)
+
+        def gather_s(numel: int) -> float:
+            inp = torch.ones(numel, device=dev)
+            full = torch.empty(numel * world, device=dev)
+
+            def once():
+                dist.barrier(group=pg)
+                getattr(dist, all_gather_name)(full, inp, group=pg)
+            return _timed(run(once), 7)
+
+        small, big = 1024, 2**22
+        t_small, t_big = gather_s(small), gather_s(big)
+        latency = t_small
+        link = (big - small) * 4 * (world - 1) / max(t_big - t_small, 1e-9)
+    return Hardware(flops, mem, link, latency, op)
+
+
+def fake_mesh(world: int, device_type: str = "cpu") -> DeviceMesh:
+    """A 1-D mesh of ``world`` ranks over torch's fake process group (``backend="fake"``: collectives do nothing),
+    in this process: plan for a target world size without its ranks. Initializes the default process group if
+    there is none; a fake one of another size is replaced; a real one raises."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                f"fake_mesh({world}): this process already runs a real process group ({dist.get_backend()}); plan "
+                f"for another world size in a process of its own (or call estimate on a plan over this group)")
+        if dist.get_world_size() != world:
+            dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    return init_device_mesh(device_type, (world,))
+
+
+# ---- the result ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One point of the predicted step: what just happened, the bytes live by category, the main thread's time."""
+
+    what: str
+    bytes: dict[str, int]
+    t: float | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A stretch of the predicted step on one lane (``"compute"``, ``"wait"`` or ``"comm"``), in seconds."""
+
+    lane: str
+    what: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """A plan's predicted cost per rank (see the module docstring for how).
+
+    Attributes:
+        plan: the plan.
+        peak_bytes: the step's peak of live bytes (forward, backward and the optimizer update).
+        peak: the point of the peak, with its bytes by category (:data:`CATEGORIES`).
+        points: the memory timeline, one :class:`Point` per event.
+        collectives: every collective of the step, in issue order (the schedule's).
+        step_s: the predicted step time (None without hardware figures).
+        compute_s: the main thread's compute (ops, per-op and per-group overheads).
+        comm_s: the collectives' time on the channel.
+        exposed_s: the main thread's waits for collectives.
+        intervals: the time timeline (compute, waits, collectives), for plotting.
+    """
+
+    plan: Plan = dataclasses.field(repr=False)
+    peak_bytes: int
+    peak: Point
+    points: tuple[Point, ...] = dataclasses.field(repr=False)
+    collectives: tuple[Collective, ...] = dataclasses.field(repr=False)
+    step_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+    exposed_s: float | None = None
+    intervals: tuple[Interval, ...] = dataclasses.field(default=(), repr=False)
+
+    def counts(self) -> dict[str, int]:
+        """Collectives per step by kind."""
+        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + 1
+        return out
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes of the unsharded buffers per kind (what ``Schedule.totals`` and a counter at dispatch see)."""
+        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + c.nbytes
+        return out
+
+    def max_by_category(self) -> dict[str, int]:
+        """Each category's own highest value over the step (they need not peak together)."""
+        return {k: max(p.bytes[k] for p in self.points) for k in CATEGORIES}
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        p = self.plan
+        lines = [f"Cost per rank of a plan of {len(p.groups)} groups over {p.world} ranks (prefetch "
+                 f"{p.forward_prefetch}/{p.backward_prefetch}, layout {p.layout}):",
+                 f"  peak memory {mib(self.peak_bytes)} at {self.peak.what}:"]
+        lines += [f"    {k:17s} {mib(v)}" for k, v in self.peak.bytes.items()]
+        counts, nbytes = self.counts(), self.bytes_by_kind()
+        lines += [f"  {k}: {counts[k]} per step, {mib(nbytes[k])} (unsharded buffers)" for k in counts]
+        if self.step_s is not None:
+            lines.append(f"  step {self.step_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, collectives "
+                         f"{self.comm_s * 1e3:.1f} ms of which {self.exposed_s * 1e3:.1f} ms exposed")
+        return "\n".join(lines)
+
+
+# ---- the replay ------------------------------------------------------------------------------------------
+
+
+class _Ops:
+    """The schedule's ops not yet replayed; each is taken by the event that issues it."""
+
+    def __init__(self, ops: Sequence[Op]):
+        self.left = [op for op in ops if op.kind != BACKWARD]
+
+    def take(self, kind: str, group: str) -> Op:
+        for i, op in enumerate(self.left):
+            if op.kind == kind and op.group == group:
+                return self.left.pop(i)
+        raise RuntimeError(f"funcshard.cost: the runtime would issue '{kind} {label(group)}' here, and the plan's "
+                           f"schedule has no such op left: the cost model and the schedule disagree (a bug; please "
+                           f"report it with the plan printed)")
+
+
+class _Replay:
+    """The runtime's state along the traced marks: what each group holds, the reduce-scatter in flight, time."""
+
+    def __init__(self, plan: Plan, prof: StepProfile, update: UpdateProfile | None, hw: Hardware | None):
+        self.plan, self.prof, self.update, self.hw = plan, prof, update, hw
+        self.step = schedule(plan)
+        self.ops = _Ops(self.step.ops)
+        self.flat = plan.layout == "flat"
+        self.empty = {g.name for g in plan.groups if not g.params}
+        self.sharded = sum(s.local_numel * s.dtype.itemsize for s in plan.specs.values())
+        self.state = {g.name: "sharded" for g in plan.groups}
+        self.ag_held: dict[str, int] = {}  # all-gather buffers in flight (per-parameter layout)
+        self.ag_end: dict[str, float] = {}
+        self.unsharded: dict[str, int] = {}
+        self.rs: tuple[str, int, int, float] | None = None  # (group, input bytes, output bytes, end time)
+        self.grad_shards = 0
+        self.act = prof.input_bytes
+        self.grads = 0
+        self.points: list[Point] = []
+        self.t = 0.0
+        self.chan = 0.0  # when the communication channel is free
+        self.compute = self.exposed = self.comm = 0.0
+        self.intervals: list[Interval] = []
+        self.collectives: list[Collective] = []
+
+    # memory
+    def at(self, what: str, extra: dict[str, int] | None = None) -> None:
+        b = {"sharded_params": self.sharded, "unsharded_params": sum(self.unsharded.values()),
+             "gradients": self.grads + self.grad_shards,
+             "optimizer_state": self.update.state_bytes if self.update else 0,
+             "comm_buffers": sum(self.ag_held.values()) + (self.rs[1] + self.rs[2] if self.rs else 0),
+             "activations": self.act}
+        for k, v in (extra or {}).items():
+            b[k] += v
+        self.points.append(Point(what, b, self.t if self.hw else None))
+
+    # time
+    def run(self, seconds: float, what: str, lane: str = "compute") -> None:
+        if seconds > 0:
+            self.intervals.append(Interval(lane, what, self.t, self.t + seconds))
+        self.t += seconds
+        self.compute += seconds
+
+    def wait_until(self, end: float, what: str) -> None:
+        if end > self.t:
+            self.intervals.append(Interval("wait", what, self.t, end))
+            self.exposed += end - self.t
+            self.t = end
+
+    def issue(self, op: Op) -> float:
+        self.collectives.extend(op.collectives)
+        if not self.hw:
+            return 0.0
+        for c in op.collectives:
+            start = max(self.t, self.chan)
+            self.chan = start + self.hw.collective_s(c)
+            self.comm += self.chan - start
+            self.intervals.append(Interval("comm", f"{c.kind} {label(c.group)}", start, self.chan))
+        return self.chan
+
+    # the runtime's events
+    def gather(self, name: str, why: str) -> None:
+        """Issue the group's all-gather if it is sharded (``GroupBuffers.issue``)."""
+        if self.state[name] != "sharded" or name in self.empty:
+            return
+        op = self.ops.take(ALL_GATHER, name)
+        nbytes = sum(c.nbytes for c in op.collectives)
+        if self.flat:  # the all-gather writes into the parameters' own buffer
+            self.unsharded[name] = nbytes
+        else:
+            self.ag_held[name] = nbytes
+        self.ag_end[name] = self.issue(op)
+        self.state[name] = "gathering"
+        self.at(f"all-gather {label(name)} ({why})")
+
+    def wait(self, name: str) -> None:
+        """``GroupBuffers.wait``: the copy-out into the unsharded buffers, then the all-gather buffer is freed."""
+        if self.state[name] != "gathering":
+            return
+        self.wait_until(self.ag_end.pop(name), f"all-gather {label(name)}")
+        if not self.flat:
+            self.unsharded[name] = self.step.unsharded_nbytes(name)
+            self.at(f"copy-out {label(name)}")
+            del self.ag_held[name]
+        self.state[name] = "gathered"
+
+    def free(self, name: str) -> None:
+        self.unsharded.pop(name, None)
+        self.state[name] = "sharded"
+
+    def use(self, name: str, backward: bool) -> None:
+        if self.hw and self.hw.group_overhead_s and name != ROOT:
+            self.run(self.hw.group_overhead_s, f"runtime {label(name)}")
+        if not backward or self.plan.group(name).unshard_in_backward:
+            self.gather(name, "before its backward" if backward else "on use")
+            self.wait(name)
+        for p in self.plan.prefetch_after(name, backward=backward):
+            if not backward or self.plan.group(p).unshard_in_backward:
+                self.gather(p, f"prefetch, while {label(name)} computes")
+
+    def finish_rs(self) -> None:
+        if self.rs is not None:
+            name, _, out, end = self.rs
+            self.wait_until(end, f"reduce-scatter {label(name)}")
+            self.rs = None
+            self.grad_shards += out
+
+    def reduce_scatter(self, name: str) -> None:
+        """``ReduceQueue.start``: free the group, take the reduce-scatter in flight, issue this one."""
+        g = self.plan.group(name)
+        op = self.ops.take(REDUCE_SCATTER, name)
+        if g.reshard_after_backward:
+            self.free(name)
+        self.finish_rs()
+        if not op.collectives:
+            return
+        inp = sum(c.nbytes for c in op.collectives)
+        self.rs = (name, inp, 0, 0.0)
+        self.at(f"reduce-scatter {label(name)} (copy-in)")  # the group's gradients and the input, both live
+        out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in op.collectives)
+        self.rs = (name, inp, out, self.issue(op))
+
+    def mark(self, i: int) -> None:
+        m, plan = self.prof.marks[i], self.plan
+        self.act, self.grads = self.prof.input_bytes + m.activations, m.grads
+        g = plan.group(m.group)
+        if m.kind == FWD_START:
+            self.use(m.group, backward=False)
+        elif m.kind == FWD_END:
+            if g.reshard_after_forward and (g.is_root or m.group not in self.empty):  # (the schedule's rule)
+                self.ops.take(FREE, m.group)
+                self.wait(m.group)
+                self.free(m.group)
+                self.at(f"free {label(m.group)}")
+        elif m.kind == BWD_START:
+            self.use(m.group, backward=True)
+        elif m.kind == BWD_END:
+            if m.group != ROOT and m.group not in self.empty:
+                self.reduce_scatter(m.group)
+        st = self.prof.stretches[i]
+        self.at(f"{m.kind} {label(m.group)}: highest point until the next event",
+                {"activations": st.peak - m.activations - m.grads})
+        if self.hw:
+            self.run(self.hw.stretch_s(st), f"{m.kind.split()[0]} {label(m.group)}")
+
+    def replay(self) -> None:
+        root = self.plan.groups[0]
+        marks = self.prof.marks
+        for i, m in enumerate(marks):
+            if m.kind == BWD_END and m.group == ROOT:
+                continue  # the root's reduce-scatter comes last: below
+            self.mark(i)
+        if root.name not in self.empty:  # the root group's reduce-scatter, then end_of_backward
+            done = [i for i, m in enumerate(marks) if m.kind == BWD_END and m.group == ROOT]
+            if done:
+                m = marks[done[0]]
+                self.act, self.grads = self.prof.input_bytes + m.activations, m.grads
+            self.reduce_scatter(ROOT)
+            if done:
+                st = self.prof.stretches[done[0]]
+                self.at("after the root's reduce-scatter", {"activations": st.peak - m.activations - m.grads})
+        self.finish_rs()
+        for g in self.plan.groups:
+            if g.reshard_after_backward:
+                self.free(g.name)
+        self.act, self.grads = self.prof.input_bytes, 0
+        self.at("end of backward")
+        if self.update is not None:
+            self.at("optimizer update", {"comm_buffers": 0, "activations": self.update.peak_extra})
+            if self.hw:
+                self.run(self.hw.stretch_s(self.update.cost), "optimizer update")
+        left = [op.line() for op in self.ops.left]
+        if left:
+            raise RuntimeError(f"funcshard.cost: the replay did not issue {left} of the plan's schedule: the cost "
+                               f"model and the schedule disagree (a bug; please report it with the plan printed)")
+
+
+# ---- estimate and sweep ----------------------------------------------------------------------------------
+
+
+def _device(plan: Plan) -> torch.device:
+    return torch.device("cpu") if plan.mesh.device_type == "cpu" else torch.device(plan.mesh.device_type)
+
+
+def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (s.local_shape if s.flat is None else (s.local_numel,), s.dtype) for k, s in plan.specs.items()
+            if s.requires_grad and (s.dtype.is_floating_point or s.dtype.is_complex)}
+
+
+def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None = None, optimizer: Any = None,
+             donate: bool = True, hardware: Hardware | None = None, _profiles: dict | None = None,
+             **kwargs: Any) -> Cost:
+    """Predict one training step of ``plan`` per rank: ``loss(plan.module(*args, **kwargs))``, its backward, and
+    ``optimizer``'s update (a ``funcshard.optim`` GradientTransformation; ``donate``: as ``update(...,
+    donate=True)`` and ``apply_updates(..., donate=True)``; None: no optimizer). ``args``/``kwargs``: one rank's
+    inputs, as real or meta tensors (only shapes and dtypes are read). ``loss``: default ``out.float().sum()``
+    for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only)."""
+    if loss is None:
+        def loss(out):
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"funcshard.cost.estimate: the module returns {type(out).__name__}, not a tensor; "
+                                f"pass loss=lambda out: ... returning a scalar tensor")
+            return out.float().sum()
+    cache = _profiles if _profiles is not None else {}
+    key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups))
+    prof = cache.get(key)
+    if prof is None:
+        prof = cache[key] = profile_step(plan, args, kwargs, loss, _device(plan))
+    update = None
+    if optimizer is not None:
+        shapes = _shard_shapes(plan)
+        ukey = ("update", id(optimizer), donate, tuple(sorted((k, v[0], v[1]) for k, v in shapes.items())))
+        update = cache.get(ukey)
+        if update is None:
+            update = cache[ukey] = profile_update(optimizer, shapes, _device(plan), donate)
+    r = _Replay(plan, prof, update, hardware)
+    r.replay()
+    peak = max(r.points, key=lambda p: p.total)
+    timing = {}
+    if hardware is not None:
+        timing = dict(step_s=r.t, compute_s=r.compute, comm_s=r.comm, exposed_s=r.exposed)
+    return Cost(plan, peak.total, peak, tuple(r.points), tuple(r.collectives), intervals=tuple(r.intervals),
+                **timing)
+
+
+def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | None = None,
+          groups: Iterable[Any] = (None,), prefetch: Iterable[int] = (0, 1, 2),
+          reshard_after_forward: Iterable[bool | None] = (None, False), mp_policy: Iterable[Any] = (None,),
+          layout: Iterable[str] = ("per_param",), loss: Callable | None = None, optimizer: Any = None,
+          donate: bool = True, hardware: Hardware | None = None, **kwargs: Any) -> list[Cost]:
+    """Every combination of the given plan choices (``funcshard.plan``'s arguments of those names), estimated;
+    those whose peak fits ``budget`` bytes (None: all), fastest first (least memory first without ``hardware``).
+    One traced step per grouping and precision serves all the prefetch and reshard choices."""
+    from funcshard._plan import plan as make_plan
+
+    profiles: dict = {}
+    out = []
+    for gr in groups:
+        for mp in mp_policy:
+            for lay in layout:
+                for depth in prefetch:
+                    for rsf in reshard_after_forward:
+                        p = make_plan(module, mesh, groups=gr, prefetch=depth, reshard_after_forward=rsf,
+                                      mp_policy=mp, layout=lay)
+                        c = estimate(p, *args, loss=loss, optimizer=optimizer, donate=donate, hardware=hardware,
+                                     _profiles=profiles, **kwargs)
+                        if budget is None or c.peak_bytes <= budget:
+                            out.append(c)
+    out.sort(key=lambda c: (c.step_s if c.step_s is not None else 0.0, c.peak_bytes))
+    return out

@@ -1,0 +1,38 @@
+"""The notebooks in notebooks/ are committed executed (outputs and plots, no errors), and they run: executing them
+takes minutes on 2 cores, so that test is marked slow (``python -m pytest -m slow tests/test_notebooks.py``; CI on
+a machine with more cores runs it the same way). Each notebook's plots check their own axes (labels with units,
+``nbhelpers.check_axes``), so an unreadable plot fails the execution."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = ["1_quickstart.ipynb", "2_migrating_from_fsdp2.ipynb", "3_exploring_schedules.ipynb"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_notebooks_are_executed_with_their_plots(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count for c in code), f"{name}: run python notebooks/run.py {name}"
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], name
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{name} has no plot"
+    assert all("check_axes(fig)" in c.source for c in code if "plt.subplots" in c.source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_executes(name):
+    sys.path.insert(0, str(NOTEBOOKS))
+    try:
+        from run import execute
+    finally:
+        sys.path.remove(str(NOTEBOOKS))
+    nb = execute(NOTEBOOKS / name, timeout=900)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
