@@ -7,7 +7,7 @@
     # (torch.func.grad(loss)(state, x, y) works too, and composes with other torch.func transforms)
 """
 
-from funcshard import optim
+from funcshard import checkpoint, optim
 from funcshard._apply import apply
 from funcshard._collectives import all_gather, all_reduce, reduce_scatter
 from funcshard._grad import value_and_grad
@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce",
     "apply",
     "check_state",
+    "checkpoint",
     "fully_shard",
     "gather",
     "optim",
