@@ -14,19 +14,22 @@ layout) loads at another, and checkpoints cross-load with FSDP2 + ``torch.optim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
+from funcshard._checkpoint_safetensors import Reader, Writer
+from funcshard._collectives import gather_tangents
+from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
 from funcshard._plan import Plan
 from funcshard._shard import _fail, check_state
 from funcshard._spec import ShardingError
 
-__all__ = ["MODEL", "OPTIM", "load", "save", "state_dict"]
+__all__ = ["MODEL", "OPTIM", "export_full", "import_full", "load", "save", "state_dict"]
 
 MODEL, OPTIM = "model", "optim"
 
@@ -213,3 +216,89 @@ def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
     if "count" in opt_state._fields:
         changes["count"] = step
     return opt_state._replace(**changes)
+
+
+# ---- full (unsharded) state dicts, streamed one group at a time ------------------------------------------------
+
+
+def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callable[[str, torch.Tensor], None], *,
+                rank: int = 0) -> None:
+    """Write the full parameters (and the module's buffers) from rank ``rank``, one group at a time.
+
+    ``to``: a path (a ``safetensors`` file, parameters under their canonical paths: tied ones once) or a callable
+    ``fn(name, tensor)`` called on rank ``rank`` for each parameter and buffer, in group order (the tensor is valid
+    during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
+    is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
+    never the whole model.
+    """
+    import torch.distributed as dist
+
+    check_state(plan, state)
+    me, pg = _rank(plan), plan.mesh.get_group(plan.shard_axis)
+    lay, buffers = full_layouts(plan), _buffers(plan)
+    emit, writer = (to if callable(to) else None), None
+    if me == rank and not callable(to):
+        entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
+        entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
+        writer = Writer(to, entries, {"format": "pt"})
+        emit = writer.write
+    try:
+        for g in plan.groups:
+            if g.params:
+                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me)
+                if me == rank:
+                    for p, t in zip(g.params, full):
+                        emit(p, t)
+                del full
+        if me == rank:
+            for k, b in buffers.items():
+                emit(k, b.detach())
+    finally:
+        if writer is not None:
+            writer.close()
+    dist.barrier(group=pg)  # the file is complete on every rank's return
+
+
+def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
+    """This rank's shards read from a full ``safetensors`` file (e.g. a Hugging Face checkpoint, or
+    :func:`export_full`'s): each rank reads only the bytes of its own rows, so the peak memory is the sharded
+    state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
+    ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
+    loaded). The module's buffers found in the file are loaded into it."""
+    reader = Reader(path)
+    try:
+        problems, names = [], {}
+        for k, s in plan.specs.items():
+            name = next((a for a in s.aliases if a in reader.header), None)
+            if name is None:
+                problems.append(f"  {k}: missing")
+                continue
+            names[k] = name
+            shape, dtype = reader.shape_dtype(name)
+            if shape != s.shape or dtype != s.dtype:
+                problems.append(f"  {name}: {shape} {dtype} in the file, the plan has {s.shape} {s.dtype}")
+        buffers = {k: b for k, b in _buffers(plan).items() if k in reader.header}
+        for k, b in buffers.items():
+            if reader.shape_dtype(k) != (tuple(b.shape), b.dtype):
+                problems.append(f"  {k}: {reader.shape_dtype(k)} in the file, the module's buffer is "
+                                f"{tuple(b.shape)} {b.dtype}")
+        known = {a for s in plan.specs.values() for a in s.aliases} | set(_buffers(plan))
+        problems += [f"  {k}: in the file, not a parameter or buffer of the planned module (extra key)"
+                     for k in reader.header if k not in known]
+        if problems:
+            raise _fail(plan, f"{path} does not fit the plan", problems,
+                        "Load a file of this model, or plan the model the file was written from.")
+        me, device = _rank(plan), device_of(plan.mesh)
+        state = {}
+        for k, s in plan.specs.items():
+            local = torch.zeros(s.local_shape, dtype=s.dtype)
+            for box in s.boxes(me):
+                reader.read_box(names[k], box.offsets, box.sizes, box.view(local))
+            state[k] = local.to(device)
+        with torch.no_grad():
+            for k, b in buffers.items():
+                reader.read_box(k, (0,) * b.dim(), tuple(b.shape), b)
+    finally:
+        reader.close()
+    mark(plan.specs.values(), state.values())
+    return state
