@@ -114,15 +114,11 @@ def present(spec: ShardSpec, local: torch.Tensor, mesh, rank: int):
     """``local`` (a rank's padded shard of ``spec``) as a DTensor of the global shape for DCP: a genuine
     ``Shard(dim)`` DTensor in the per-parameter layout; in the flat layout (and for a 0-dim parameter) a carrier
     whose placement DCP does not read (only the protocol: what it writes and where loads go)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     genuine = spec.flat is None and spec.shape
-    inner = spec.valid_part(local, rank) if genuine else local.view(local.shape)
-    shape = torch.Size(spec.shape)
-    stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
-    with torch.no_grad():
-        out = DTensor.from_local(inner, mesh, (Shard(spec.dim) if genuine else Replicate(),), run_check=False,
-                                 shape=shape, stride=stride)
+    out = spec.dtensor(spec.valid_part(local, rank), mesh) if genuine else spec.dtensor(local.view(local.shape),
+                                                                                          mesh, Replicate())
     placed = _Placed(spec, local, rank)
     carried = dtensor_local(out)  # the DTensor's own local tensor: DTensor hands DCP's calls to it
     carried.__create_write_items__ = placed.write_items

@@ -115,17 +115,14 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
 
 
 def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
-         tx: optim.GradientTransformation | None = None, async_save: bool = False, **dcp_kwargs: Any):
+         tx: optim.GradientTransformation | None = None, **dcp_kwargs: Any) -> None:
     """Write ``state`` (and ``opt_state``) to ``checkpoint_id`` with ``torch.distributed.checkpoint``; every rank
-    of the plan's mesh calls it. ``async_save=True``: ``dcp.async_save`` (returns its future; the state is
-    copied first, so the next steps may run meanwhile). Extra keyword arguments go to DCP."""
+    of the plan's mesh calls it. Extra keyword arguments go to ``dcp.save``. (Not built: ``dcp.async_save``, whose
+    staging copies the DTensors without the protocol the flat layout's pieces need, and a save that keeps the
+    previous checkpoint loadable when a rank dies mid-write: write each checkpoint to a new directory.)"""
     import torch.distributed.checkpoint as dcp
 
-    sd = state_dict(plan, state, opt_state, tx=tx)
-    if async_save:
-        return dcp.async_save(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
-    dcp.save(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
-    return None
+    dcp.save(state_dict(plan, state, opt_state, tx=tx), checkpoint_id=checkpoint_id, **dcp_kwargs)
 
 
 def _expect(problems: list[str], md: dict, key: str, shape: tuple, dtype: torch.dtype) -> None:
