@@ -7,7 +7,7 @@
     # (torch.func.grad(loss)(state, x, y) works too, and composes with other torch.func transforms)
 """
 
-from funcshard import cost, optim, trace
+from funcshard import checkpoint, cost, optim, trace
 from funcshard._apply import apply
 from funcshard._collectives import all_gather, all_reduce, reduce_scatter
 from funcshard._grad import value_and_grad
@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce",
     "apply",
     "check_state",
+    "checkpoint",
     "cost",
     "fully_shard",
     "gather",

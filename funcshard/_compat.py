@@ -67,6 +67,8 @@ chunk_cat = require("torch._chunk_cat")  # the padded rank-major concatenation o
 unflatten_dense_tensors = require("torch._C._nn.unflatten_dense_tensors")  # views of a flat tensor
 foreach_add = require("torch._foreach_add")
 foreach_add_ = require("torch._foreach_add_")
+foreach_addcdiv = require("torch._foreach_addcdiv")
+foreach_addcdiv_ = require("torch._foreach_addcdiv_")
 foreach_addcmul_ = require("torch._foreach_addcmul_")
 foreach_copy_ = require("torch._foreach_copy_")
 foreach_div = require("torch._foreach_div")
@@ -124,7 +126,8 @@ __all__ = [
     "maybe_current_level", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",
-    "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcmul_", "foreach_copy_",
+    "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",
+    "foreach_addcmul_", "foreach_copy_",
     "foreach_div", "foreach_div_", "foreach_lerp", "foreach_lerp_", "foreach_mul", "foreach_mul_", "foreach_norm",
     "foreach_sqrt",
     "torch_tree_leaves", "torch_tree_map_only",

@@ -16,6 +16,7 @@ from funcshard._collectives import (
     raw,
     reduce_scatter_grads,
 )
+from funcshard._checkpoint_dcp import mark
 from funcshard._compat import is_batchedtensor
 from funcshard._layout import expected_shards, full_layouts
 from funcshard._mesh import check_mesh, mesh_str
@@ -105,7 +106,9 @@ def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[
                     "Pass one full tensor per parameter of the planned module (see plan.specs).")
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     with torch.no_grad():
-        return {k: spec.local_shard(raw(params[k]).to(spec.dtype), rank) for k, spec in plan.specs.items()}
+        out = {k: spec.local_shard(raw(params[k]).to(spec.dtype), rank) for k, spec in plan.specs.items()}
+    mark(plan.specs.values(), out.values())  # so that plain DCP refuses them (funcshard.checkpoint presents them)
+    return out
 
 
 class _Gather(torch.autograd.Function):

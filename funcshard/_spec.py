@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["FlatSlot", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
+__all__ = ["Box", "FlatSlot", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,49 @@ class FlatSlot:
         lo = max(self.offset, rank * chunk)
         hi = min(self.offset + numel, (rank + 1) * chunk)
         return lo - self.offset, max(0, hi - lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """A rectangular piece of a parameter that one rank holds: ``offsets`` and ``sizes`` in the global tensor,
+    and where it is in the rank's local shard (the rows ``[0, sizes[dim])`` of ``dim``, or the ``sizes``-shaped
+    run of the flat piece starting at ``start``). What a checkpoint writes and reads (DCP's chunks)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim: int | None = None  # per-parameter layout: narrow the local shard on this dim
+    start: int = 0  # flat layout: the box is local[start : start + numel].view(sizes)
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        """The box as a view of the rank's local shard (writes through to it)."""
+        if self.dim is not None:
+            return local.narrow(self.dim, 0, self.sizes[self.dim]) if self.sizes else local.view(())
+        return local.narrow(0, self.start, math.prod(self.sizes)).view(self.sizes)
+
+
+def _range_boxes(shape: tuple[int, ...], lo: int, hi: int, base: int = 0):
+    """Split the row-major range ``[lo, hi)`` of a tensor of ``shape`` into boxes that are each contiguous in it:
+    a partial first row, whole rows, a partial last row (recursively). Yields (offsets, sizes, lo)."""
+    if lo >= hi:
+        return
+    if not shape:
+        yield (), (), lo
+        return
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    if lo % inner:  # a partial first row
+        row, end = lo // inner, min(hi, (lo // inner + 1) * inner)
+        for off, size, at in _range_boxes(shape[1:], lo - row * inner, end - row * inner):
+            yield (row, *off), (1, *size), at + row * inner
+        lo = end
+    first, last = lo // inner, hi // inner  # whole rows (lo is at a row start now, or past hi)
+    if lo < hi and last > first:
+        yield (first, *zeros), (last - first, *shape[1:]), lo
+        lo = last * inner
+    if lo < hi:  # a partial last row
+        row = lo // inner
+        for off, size, at in _range_boxes(shape[1:], lo - row * inner, hi - row * inner):
+            yield (row, *off), (1, *size), at + row * inner
 
 
 class ShardingError(ValueError):
@@ -144,6 +187,43 @@ class ShardSpec:
         if n:
             out.narrow(self.dim, 0, n).copy_(full.narrow(self.dim, rank * self.chunk, n))
         return out
+
+    def valid_part(self, local: torch.Tensor, rank: int) -> torch.Tensor:
+        """The real rows of rank ``rank``'s padded shard (a view): what DTensor's ``Shard(dim)`` holds there."""
+        n = self.local_valid(rank)
+        return local if n == local.shape[self.dim] else local.narrow(self.dim, 0, n)
+
+    def dtensor(self, local: torch.Tensor, mesh, placement=None):
+        """A DTensor of the global shape over ``local`` (no copy, no check): by default ``Shard(dim)`` over the
+        unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and checkpoints present it."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = torch.Size(self.shape)
+        stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
+        with torch.no_grad():
+            return DTensor.from_local(local, mesh, (placement or Shard(self.dim),), run_check=False, shape=shape,
+                                      stride=stride)
+
+    def boxes(self, rank: int) -> list[Box]:
+        """The pieces of the parameter that rank ``rank`` holds, in global coordinates (none: only padding).
+
+        Per-parameter layout: one box, the rank's real rows (a 0-dim parameter: rank 0 holds it). Flat layout:
+        the rank's run of the flattened parameter, split into row-major boxes. The layout-independent form of a
+        shard: a checkpoint written from either layout, at any world size, is read by any other."""
+        if self.flat is not None:
+            start, n = self.flat.piece(self.numel, self.world, rank)
+            return [Box(tuple(off), tuple(size), start=at - start)
+                    for off, size, at in _range_boxes(self.shape, start, start + n)]
+        n = self.local_valid(rank)
+        if not n:
+            return []
+        if not self.shape:
+            return [Box((), (), dim=0)]
+        offsets = [0] * len(self.shape)
+        offsets[self.dim] = rank * self.chunk
+        sizes = list(self.shape)
+        sizes[self.dim] = n
+        return [Box(tuple(offsets), tuple(sizes), dim=self.dim)]
 
     def describe(self) -> str:
         if self.flat is not None:

@@ -73,9 +73,12 @@ from typing import Any, NamedTuple, Union
 import torch
 import torch.distributed as dist
 
+from funcshard._checkpoint_dcp import inherit
 from funcshard._compat import (
     foreach_add,
     foreach_add_,
+    foreach_addcdiv,
+    foreach_addcdiv_,
     foreach_addcmul_,
     foreach_copy_,
     foreach_div,
@@ -91,6 +94,7 @@ from funcshard._tree import TreeSpec, tree_flatten, tree_flatten_with_path, tree
 
 __all__ = [
     "GradientTransformation",
+    "TorchOptimizer",
     "Schedule",
     "ScalarOrSchedule",
     "EmptyState",
@@ -112,6 +116,7 @@ __all__ = [
     "sgd",
     "adamw",
     "apply_updates",
+    "step",
 ]
 
 PyTree = Any
@@ -128,6 +133,19 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
+
+
+class TorchOptimizer(GradientTransformation):
+    """A :class:`GradientTransformation` that is one of ``torch.optim``'s optimizers (:func:`adamw`, :func:`sgd`, or a
+    :func:`chain` ending in one): besides ``init``/``update`` it has
+
+    * ``exact(grads, opt_state, params, donate=False) -> (params, opt_state)``: the new parameters computed with
+      torch's multi-tensor (``foreach``) op order, bit for bit (what :func:`step` runs);
+    * ``torch_param_group(count) -> dict``: torch's ``param_groups`` entry for it after ``count`` updates (what a
+      torch optimizer's state dict holds; ``funcshard.checkpoint`` writes it).
+    """
+
+    # (instances carry the two attributes above: a NamedTuple subclass without __slots__ has a __dict__)
 
 
 class EmptyState(NamedTuple):
@@ -170,6 +188,11 @@ class TraceState(NamedTuple):
 
 class ClipByGlobalNormState(NamedTuple):
     """State of :func:`clip_by_global_norm` (empty)."""
+
+
+# torch.load's default (weights_only=True) unpickles only allowlisted classes: the states are plain data
+torch.serialization.add_safe_globals([EmptyState, ScaleState, ScaleByScheduleState, ScaleByAdamState,
+                                      AddDecayedWeightsState, TraceState, ClipByGlobalNormState])
 
 
 # --------------------------------------------------------------------------
@@ -280,7 +303,9 @@ def _zeros_like_tree(where: str, params: PyTree) -> PyTree:
     leaves, spec = tree_flatten(params)
     _check_tensor_leaves(where, "params", params, leaves)
     with torch.no_grad():
-        return tree_unflatten(spec, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
+        out = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+    inherit(leaves, out)  # sharded like the params (funcshard.checkpoint: plain DCP refuses shards)
+    return tree_unflatten(spec, out)
 
 
 def _check_nonneg(name: str, value: float, where: str) -> None:
@@ -407,6 +432,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu, mu_spec = tree_flatten(state.mu)
         nu, _ = tree_flatten(state.nu)
         _check_match(where, "updates", updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
+        state_leaves = mu + nu
         count = state.count + 1
         if not g:
             return updates, ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
@@ -431,6 +457,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
                 out = foreach_div(mu, denom)
             del denom
             foreach_div_(out, bias_correction1)
+        if not donate:
+            inherit(state_leaves, mu + nu)
         return tree_unflatten(spec, out), ScaleByAdamState(
             count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu)
         )
@@ -500,7 +528,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
             return updates, TraceState(count=state.count + 1, trace=state.trace)
         with torch.no_grad():
             if state.count == 0:
-                buf = foreach_add(g, 0)  # a copy, like torch's grad.detach().clone()
+                buf = [t.clone() for t in g]  # like torch's grad.detach().clone()
             elif donate:
                 foreach_mul_(buf, decay)
                 foreach_add_(buf, g, alpha=1.0 - dampening)
@@ -515,6 +543,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
                 out = g
             else:
                 out = foreach_add(g, buf, alpha=decay) if nesterov else buf
+        inherit(tree_flatten(state.trace)[0] if state.count else g, buf)
         new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
         return tree_unflatten(spec, out), new_state
 
@@ -597,20 +626,36 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update_fn(updates, state, params=None, **extra):
+    def check(state):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
                 f"chain: expected opt_state as a tuple of {len(transforms)} inner states, got {got}. "
                 f"Fix: pass the state returned by this chain's init() (or by its previous update())."
             )
+
+    def update_fn(updates, state, params=None, **extra):
+        check(state)
         new_states = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **extra)
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    last = transforms[-1] if transforms else None
+    if not isinstance(last, TorchOptimizer):
+        return GradientTransformation(init_fn, update_fn)
+
+    def exact(grads, state, params, donate=False):  # the transforms before the optimizer, then its exact step
+        check(state)
+        new_states = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            grads, s = t.update(grads, s, params, donate=donate)
+            new_states.append(s)
+        params, s = last.exact(grads, state[-1], params, donate=donate)
+        return params, (*new_states, s)
+
+    return _torch_optimizer(GradientTransformation(init_fn, update_fn), exact, last.torch_param_group)
 
 
 # --------------------------------------------------------------------------
@@ -641,7 +686,55 @@ def sgd(
     else:
         _check_nonneg("momentum", momentum, "sgd")
     parts.append(scale_by_learning_rate(lr))
-    return chain(*parts)
+    tx = chain(*parts)
+    tx_check = _chain_check("sgd", len(parts))
+
+    def exact(grads, state, params, donate=False):
+        """``torch.optim.SGD``'s ``_multi_tensor_sgd``, op for op."""
+        tx_check(state)
+        sched = state[-1]
+        _check_state("sgd", sched, ScaleByScheduleState if callable(lr) else ScaleState)
+        g, p, spec = _step_inputs("sgd", grads, params)
+        lr_t = lr(sched.count) if callable(lr) else lr
+        new_states = [state[0]]
+        with torch.no_grad():
+            if weight_decay != 0:
+                g = foreach_add(g, p, alpha=weight_decay)
+            owned = donate or weight_decay != 0  # g may be changed in place
+            if momentum != 0:
+                tr = state[1]
+                _check_state("sgd", tr, TraceState)
+                buf, buf_spec = tree_flatten(tr.trace)
+                _check_match("sgd", "grads", grads, g, spec, "optimizer state", tr.trace, buf, buf_spec, _FIX_STATE)
+                if tr.count == 0:
+                    buf = [t.clone() for t in g]
+                    inherit(p, buf)
+                else:
+                    if not donate:
+                        old, buf = buf, [t.clone() for t in buf]
+                        inherit(old, buf)
+                    foreach_mul_(buf, momentum)
+                    foreach_add_(buf, g, alpha=1 - dampening)
+                if nesterov and owned:
+                    foreach_add_(g, buf, alpha=momentum)
+                elif nesterov:
+                    g = foreach_add(g, buf, alpha=momentum)
+                else:
+                    g = buf
+                new_states.append(TraceState(count=tr.count + 1, trace=tree_unflatten(buf_spec, buf)))
+            new = p if donate else [t.clone() for t in p]
+            foreach_add_(new, g, alpha=-lr_t)
+        if not donate:
+            inherit(p, new)
+        new_states.append(ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched)
+        return tree_unflatten(spec, new), tuple(new_states)
+
+    def param_group(count):
+        return dict(lr=lr(count) if callable(lr) else lr, momentum=momentum, dampening=dampening,
+                    weight_decay=weight_decay, nesterov=nesterov, maximize=False, foreach=None,
+                    differentiable=False, fused=None)
+
+    return _torch_optimizer(tx, exact, param_group)
 
 
 def adamw(
@@ -660,11 +753,98 @@ def adamw(
     """
     _check_lr("adamw", lr)
     b1, b2 = betas
-    return chain(
+    tx = chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),
     )
+    tx_check = _chain_check("adamw", 3)
+
+    def exact(grads, state, params, donate=False):
+        """``torch.optim.AdamW``'s ``_multi_tensor_adam`` (decoupled weight decay), op for op."""
+        tx_check(state)
+        adam, sched = state[0], state[-1]
+        _check_state("adamw", adam, ScaleByAdamState)
+        g, p, spec = _step_inputs("adamw", grads, params)
+        mu, mu_spec = tree_flatten(adam.mu)
+        nu, _ = tree_flatten(adam.nu)
+        _check_match("adamw", "grads", grads, g, spec, "optimizer state", adam.mu, mu, mu_spec, _FIX_STATE)
+        lr_t = lr(sched.count) if callable(lr) else lr
+        count = adam.count + 1
+        with torch.no_grad():
+            new = p if donate else [t.clone() for t in p]
+            if weight_decay != 0:
+                foreach_mul_(new, 1 - lr_t * weight_decay)
+            if donate:
+                foreach_lerp_(mu, g, 1 - b1)
+                foreach_mul_(nu, b2)
+            else:
+                old = mu + nu
+                mu, nu = foreach_lerp(mu, g, 1 - b1), foreach_mul(nu, b2)
+                inherit(old, mu + nu)
+            foreach_addcmul_(nu, g, g, 1 - b2)
+            bias_correction1 = 1 - b1 ** float(count)  # torch: beta ** step.item(), step a float tensor
+            bias_correction2 = 1 - b2 ** float(count)
+            step_size = (lr_t / bias_correction1) * -1
+            denom = foreach_sqrt(nu)
+            foreach_div_(denom, bias_correction2**0.5)
+            foreach_add_(denom, eps)
+            foreach_addcdiv_(new, mu, denom, [step_size] * len(new))
+        if not donate:
+            inherit(p, new)
+        new_sched = ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched
+        adam = ScaleByAdamState(count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu))
+        return tree_unflatten(spec, new), (adam, state[1], new_sched)
+
+    def param_group(count):
+        return dict(lr=lr(count) if callable(lr) else lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                    decoupled_weight_decay=True)
+
+    return _torch_optimizer(tx, exact, param_group)
+
+
+def _chain_check(where: str, n: int) -> Callable[[Any], None]:
+    def check(state):
+        if not isinstance(state, tuple) or len(state) != n:
+            raise ValueError(f"{where}: expected opt_state as a tuple of {n} inner states, got "
+                             f"{type(state).__name__}. Fix: pass the state returned by this optimizer's init() "
+                             f"(or by its previous update() or step()).")
+    return check
+
+
+def _torch_optimizer(tx: GradientTransformation, exact: Callable, param_group: Callable) -> TorchOptimizer:
+    out = TorchOptimizer(tx.init, tx.update)
+    out.exact, out.torch_param_group = exact, param_group
+    return out
+
+
+def _step_inputs(where: str, grads: PyTree, params: PyTree):
+    """Flattened grads and params of :func:`step` (checked against each other)."""
+    g, spec = tree_flatten(grads)
+    _check_tensor_leaves(where, "grads", grads, g)
+    _require_params(where, params)
+    p, p_spec = tree_flatten(params)
+    _check_match(where, "grads", grads, g, spec, "params", params, p, p_spec, _FIX_PARAMS)
+    return g, p, spec
+
+
+def step(tx: GradientTransformation, grads: PyTree, opt_state: Any, params: PyTree, *,
+         donate: bool = False) -> tuple[PyTree, Any]:
+    """One optimizer step: ``(new_params, new_opt_state)``.
+
+    For a :class:`TorchOptimizer` (:func:`adamw`, :func:`sgd`, a :func:`chain` ending in one) this is torch's
+    ``optimizer.step()`` bit for bit (its multi-tensor op order: torch updates the parameters with fused ops such as
+    ``addcdiv(p, m, denom, -lr / bc1)`` that no additive ``updates`` tree reproduces exactly), so a run moves between
+    ``torch.optim`` and ``funcshard.optim`` without a difference. Otherwise
+    ``apply_updates(params, tx.update(grads, opt_state, params)[0])``. ``donate=True``: ``params``, ``opt_state``
+    and ``grads`` are reused in place.
+    """
+    exact = getattr(tx, "exact", None)
+    if exact is not None:
+        return exact(grads, opt_state, params, donate=donate)
+    updates, opt_state = tx.update(grads, opt_state, params, donate=donate)
+    return apply_updates(params, updates, donate=donate), opt_state
 
 
 def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> PyTree:
@@ -698,4 +878,5 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
             foreach_add_(p, u)
             return params
         new = foreach_add(p, u)
+    inherit(p, new)
     return tree_unflatten(spec, new)

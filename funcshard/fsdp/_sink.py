@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_grad
 from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
@@ -49,11 +49,7 @@ class _Param:
         return hit[2]
 
     def dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        shape = torch.Size(self.spec.shape)
-        stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
-        with torch.no_grad():
-            return DTensor.from_local(local, mesh, (Shard(self.spec.dim),), run_check=False, shape=shape,
-                                      stride=stride)
+        return self.spec.dtensor(local, mesh)
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """A gradient with the parameter's DTensor spec, built directly (``from_local`` runs an autograd

@@ -1,0 +1,301 @@
+"""Checkpoints of the functional state: ``state`` (a plan's local shards) and ``funcshard.optim`` state.
+
+    funcshard.checkpoint.save(plan, state, opt_state, checkpoint_id=path, tx=tx)       # every rank
+    state, opt_state = funcshard.checkpoint.load(plan, path, opt_state=tx.init(state))  # any world size, any layout
+
+Through ``torch.distributed.checkpoint`` (DCP), in the layout torch's FSDP2 writes with
+``{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}``: every shard is
+presented to DCP as a piece of its global tensor (``state_dict``), so a checkpoint written at one world size (or
+layout) loads at another, and checkpoints cross-load with FSDP2 + ``torch.optim.AdamW`` / ``SGD``: keys
+``model.<path>`` (tied parameters under every name, as ``get_model_state_dict``), ``optim.state.<path>.exp_avg`` /
+``exp_avg_sq`` / ``momentum_buffer`` / ``step`` and, when ``tx`` says what torch optimizer it is,
+``optim.param_groups``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from funcshard import optim
+from funcshard._checkpoint_dcp import mark, present
+from funcshard._checkpoint_safetensors import Reader, Writer
+from funcshard._collectives import gather_tangents
+from funcshard._layout import full_layouts
+from funcshard._mesh import device_of
+from funcshard._plan import Plan
+from funcshard._shard import _fail, check_state
+from funcshard._spec import ShardingError
+
+__all__ = ["MODEL", "OPTIM", "export_full", "import_full", "load", "save", "state_dict"]
+
+MODEL, OPTIM = "model", "optim"
+
+# funcshard.optim's per-parameter state -> torch.optim's names for it
+_TORCH_NAMES: dict[type, tuple[tuple[str, str], ...]] = {
+    optim.ScaleByAdamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
+    optim.TraceState: (("trace", "momentum_buffer"),),
+}
+
+
+def _rank(plan: Plan) -> int:
+    return plan.mesh.get_local_rank(plan.shard_axis)
+
+
+def _buffers(plan: Plan) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers (replicated: every rank saves the same; DCP keeps one)."""
+    names = {a for s in plan.specs.values() for a in s.aliases}
+    return {k: v for k, v in plan.module.state_dict(keep_vars=True).items() if k not in names}
+
+
+def _parts(opt_state: Any, where: str = "opt_state") -> list[tuple[str, Any]]:
+    """The NamedTuple states inside a (chained) optimizer state, with where they are."""
+    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
+        return [p for i, s in enumerate(opt_state) for p in _parts(s, f"{where}[{i}]")]
+    if not hasattr(opt_state, "_fields"):
+        raise TypeError(f"{where} is a {type(opt_state).__name__}, not a funcshard.optim state; pass what "
+                        f"tx.init(state) (or tx.update) returned")
+    return [(where, opt_state)]
+
+
+def _per_param(plan: Plan, opt_state: Any) -> tuple[list[tuple[str, Any, str, str]], int]:
+    """[(where, part, field, torch name)] for every per-parameter tree of ``opt_state``, and its step count."""
+    out, counts = [], set()
+    for where, part in _parts(opt_state):
+        if "count" in part._fields:
+            counts.add(part.count)
+        names = _TORCH_NAMES.get(type(part))
+        if names is None:
+            if any(isinstance(v, (torch.Tensor, Mapping)) for v in part):
+                raise TypeError(f"{where}: funcshard.checkpoint does not know how to name a {type(part).__name__} "
+                                f"for torch.optim; it checkpoints {', '.join(t.__name__ for t in _TORCH_NAMES)}")
+            continue
+        for field, name in names:
+            tree = getattr(part, field)
+            if not isinstance(tree, Mapping) or set(tree) != set(plan.specs):
+                raise ShardingError(f"{where}.{field} is not a dict keyed like the plan's parameters; pass the "
+                                    f"optimizer state of this plan's state (tx.init(state))")
+            if any(n == name for _, _, _, n in out):
+                raise ShardingError(f"{where}: two optimizer states would be saved as {name!r}")
+            out.append((where, part, field, name))
+    if len(counts) > 1:
+        raise ShardingError(f"opt_state holds different step counts {sorted(counts)}; pass one optimizer's state")
+    return out, counts.pop() if counts else 0
+
+
+def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *,
+               tx: optim.GradientTransformation | None = None) -> dict[str, Any]:
+    """The DCP state dict of ``state`` (and ``opt_state``): ``{"model": {path: DTensor}, "optim": {...}}``.
+
+    Each value is a DTensor of the parameter's global shape over the shard (no copy: ``dcp.load`` into it writes
+    into ``state`` and ``opt_state``); see the module docstring for the keys. ``tx``: the optimizer, for
+    ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
+    ``get_optimizer_state_dict`` asks for on load.
+    """
+    check_state(plan, state)
+    rank, mesh, specs = _rank(plan), plan.mesh, plan.specs
+    model = {a: present(s, state[k], mesh, rank) for k, s in specs.items() for a in s.aliases}
+    model.update(_buffers(plan))
+    out: dict[str, Any] = {MODEL: model}
+    if opt_state is not None:
+        trees, step = _per_param(plan, opt_state)
+        per = {k: {"step": torch.tensor(float(step))} for k in specs}
+        for _, part, field, name in trees:
+            tree = getattr(part, field)
+            check_state(plan, tree, what=f"optimizer state {field}")
+            for k, s in specs.items():
+                per[k][name] = present(s, tree[k], mesh, rank)
+        out[OPTIM] = {"state": per}
+        group = getattr(tx, "torch_param_group", None)
+        if group is not None:
+            out[OPTIM]["param_groups"] = [{**group(step), "params": list(specs)}]
+    return out
+
+
+def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
+         tx: optim.GradientTransformation | None = None, **dcp_kwargs: Any) -> None:
+    """Write ``state`` (and ``opt_state``) to ``checkpoint_id`` with ``torch.distributed.checkpoint``; every rank
+    of the plan's mesh calls it. Extra keyword arguments go to ``dcp.save``. (Not built: ``dcp.async_save``, whose
+    staging copies the DTensors without the protocol the flat layout's pieces need, and a save that keeps the
+    previous checkpoint loadable when a rank dies mid-write: write each checkpoint to a new directory.)"""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict(plan, state, opt_state, tx=tx), checkpoint_id=checkpoint_id, **dcp_kwargs)
+
+
+def _expect(problems: list[str], md: dict, key: str, shape: tuple, dtype: torch.dtype) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    got = md.get(key)
+    if got is None:
+        problems.append(f"  {key}: missing")
+    elif not isinstance(got, TensorStorageMetadata):
+        problems.append(f"  {key}: not a tensor in the checkpoint")
+    elif tuple(got.size) != tuple(shape) or got.properties.dtype != dtype:
+        problems.append(f"  {key}: {tuple(got.size)} {got.properties.dtype} in the checkpoint, the plan has "
+                        f"{tuple(shape)} {dtype}")
+
+
+def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: Any):
+    """Read a checkpoint (written by :func:`save` at any world size and layout, or by FSDP2) into new shards.
+
+    Returns ``state``, or ``(state, opt_state)`` when ``opt_state`` is given: a template saying the optimizer
+    state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
+    checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``). The checkpoint is checked
+    against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
+    every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(checkpoint_id)
+    md = reader.read_metadata().state_dict_metadata
+    specs, rank, mesh, device = plan.specs, _rank(plan), plan.mesh, device_of(plan.mesh)
+    problems: list[str] = []
+    keys = {}  # parameter path -> the name it has in the checkpoint (its first alias present there)
+    for k, s in specs.items():
+        keys[k] = next((a for a in s.aliases if f"{MODEL}.{a}" in md), k)
+        _expect(problems, md, f"{MODEL}.{keys[k]}", s.shape, s.dtype)
+    buffers = _buffers(plan)
+    for k, b in buffers.items():
+        _expect(problems, md, f"{MODEL}.{k}", tuple(b.shape), b.dtype)
+    known = {f"{MODEL}.{a}" for s in specs.values() for a in s.aliases} | {f"{MODEL}.{k}" for k in buffers}
+    problems += [f"  {k}: in the checkpoint, not a parameter or buffer of the planned module (extra key)"
+                 for k in md if k.startswith(f"{MODEL}.") and k not in known]
+    trees: list = []
+    if opt_state is not None:
+        trees, _ = _per_param(plan, opt_state)
+        for k, s in specs.items():
+            _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
+            for *_, name in trees:
+                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", s.shape, s.dtype)
+    if problems:
+        raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
+                    "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
+                    "the checkpoint was written from.")
+
+    def fresh(s):
+        return torch.zeros(s.local_shape, dtype=s.dtype, device=device)
+
+    state = {k: fresh(s) for k, s in specs.items()}
+    sd: dict[str, Any] = {MODEL: {keys[k]: present(s, state[k], mesh, rank) for k, s in specs.items()}}
+    new_buffers = {k: torch.empty_like(b) for k, b in buffers.items()}
+    sd[MODEL].update(new_buffers)
+    filled: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    if opt_state is not None:
+        sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in specs}}
+        for _, part, field, name in trees:
+            tree = filled[id(part), field] = {k: fresh(s) for k, s in specs.items()}
+            for k, s in specs.items():
+                sd[OPTIM]["state"][k][name] = present(s, tree[k], mesh, rank)
+    dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    mark(specs.values(), state.values())
+    with torch.no_grad():
+        for k, b in buffers.items():
+            b.copy_(new_buffers[k])
+    if opt_state is None:
+        return state
+    steps = {float(v["step"]) for v in sd[OPTIM]["state"].values()}
+    if len(steps) != 1:
+        raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ ({sorted(steps)}); "
+                            f"funcshard.optim keeps one count for all")
+    step = int(steps.pop())
+    for tree in filled.values():
+        mark(specs.values(), tree.values())
+    return state, _rebuild(opt_state, filled, step)
+
+
+def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
+    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
+        return tuple(_rebuild(s, filled, step) for s in opt_state)
+    changes = {f: filled[id(opt_state), f] for f in opt_state._fields if (id(opt_state), f) in filled}
+    if "count" in opt_state._fields:
+        changes["count"] = step
+    return opt_state._replace(**changes)
+
+
+# ---- full (unsharded) state dicts, streamed one group at a time ------------------------------------------------
+
+
+def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callable[[str, torch.Tensor], None], *,
+                rank: int = 0) -> None:
+    """Write the full parameters (and the module's buffers) from rank ``rank``, one group at a time.
+
+    ``to``: a path (a ``safetensors`` file, parameters under their canonical paths: tied ones once) or a callable
+    ``fn(name, tensor)`` called on rank ``rank`` for each parameter and buffer, in group order (the tensor is valid
+    during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
+    is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
+    never the whole model.
+    """
+    import torch.distributed as dist
+
+    check_state(plan, state)
+    me, pg = _rank(plan), plan.mesh.get_group(plan.shard_axis)
+    lay, buffers = full_layouts(plan), _buffers(plan)
+    emit, writer = (to if callable(to) else None), None
+    if me == rank and not callable(to):
+        entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
+        entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
+        writer = Writer(to, entries, {"format": "pt"})
+        emit = writer.write
+    try:
+        for g in plan.groups:
+            if g.params:
+                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me)
+                if me == rank:
+                    for p, t in zip(g.params, full):
+                        emit(p, t)
+                del full
+        if me == rank:
+            for k, b in buffers.items():
+                emit(k, b.detach())
+    finally:
+        if writer is not None:
+            writer.close()
+    dist.barrier(group=pg)  # the file is complete on every rank's return
+
+
+def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
+    """This rank's shards read from a full ``safetensors`` file (e.g. a Hugging Face checkpoint, or
+    :func:`export_full`'s): each rank reads only the bytes of its own rows, so the peak memory is the sharded
+    state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
+    ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
+    loaded). The module's buffers found in the file are loaded into it."""
+    reader = Reader(path)
+    try:
+        problems, names = [], {}
+        for k, s in plan.specs.items():
+            name = next((a for a in s.aliases if a in reader.header), None)
+            if name is None:
+                problems.append(f"  {k}: missing")
+                continue
+            names[k] = name
+            shape, dtype = reader.shape_dtype(name)
+            if shape != s.shape or dtype != s.dtype:
+                problems.append(f"  {name}: {shape} {dtype} in the file, the plan has {s.shape} {s.dtype}")
+        buffers = {k: b for k, b in _buffers(plan).items() if k in reader.header}
+        for k, b in buffers.items():
+            if reader.shape_dtype(k) != (tuple(b.shape), b.dtype):
+                problems.append(f"  {k}: {reader.shape_dtype(k)} in the file, the module's buffer is "
+                                f"{tuple(b.shape)} {b.dtype}")
+        known = {a for s in plan.specs.values() for a in s.aliases} | set(_buffers(plan))
+        problems += [f"  {k}: in the file, not a parameter or buffer of the planned module (extra key)"
+                     for k in reader.header if k not in known]
+        if problems:
+            raise _fail(plan, f"{path} does not fit the plan", problems,
+                        "Load a file of this model, or plan the model the file was written from.")
+        me, device = _rank(plan), device_of(plan.mesh)
+        state = {}
+        for k, s in plan.specs.items():
+            local = torch.zeros(s.local_shape, dtype=s.dtype)
+            for box in s.boxes(me):
+                reader.read_box(names[k], box.offsets, box.sizes, box.view(local))
+            state[k] = local.to(device)
+        with torch.no_grad():
+            for k, b in buffers.items():
+                reader.read_box(k, (0,) * b.dim(), tuple(b.shape), b)
+    finally:
+        reader.close()
+    mark(plan.specs.values(), state.values())
+    return state
