@@ -865,7 +865,8 @@ def _errors():
 
 
 ERRORS = {
-    "twice": r"ValueError: fully_shard was already applied to this MLP; apply it once per module",
+    "twice": r"AppliedTwiceError: fully_shard was already applied to this MLP; apply it once per module, .*"
+             r"\(FSDP2: Each distinct composable distributed API can only be applied to a module once.\)",
     "ancestor_first": r"ValueError: fully_shard\(Block\): its parameter 'l1.weight' is already managed by the "
                       r"fully_shard call on MLP, an ancestor; apply fully_shard bottom-up",
     "tied_across_units": r"ValueError: fully_shard\(Block\): parameter 'l1.weight' is shared with \(tied to\) a "

@@ -24,7 +24,7 @@ from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
-from funcshard.fsdp._units import UNIT, _Unit, cls_name, ctx_of, fsdp_class, unit_of
+from funcshard.fsdp._units import UNIT, FSDPState, _Unit, cls_name, ctx_of, fsdp_class, state_of, unit_of
 
 _OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
 
@@ -293,6 +293,10 @@ class FSDPModule:
             raise _not_built("set_requires_all_reduce(False) (HSDP gradient all-reduce)",
                              "a 1-D mesh has no all-reduce to skip")
 
+    def _get_fsdp_state(self) -> FSDPState:
+        """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
+        return state_of(unit_of(self))
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -339,8 +343,9 @@ def fully_shard(
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
         if m.__dict__.get(UNIT) is not None:
-            raise ValueError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
-                             f"module, bottom-up (submodules first, then their ancestors)")
+            raise AppliedTwiceError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
+                                    f"module, bottom-up (submodules first, then their ancestors). (FSDP2: Each "
+                                    f"distinct composable distributed API can only be applied to a module once.)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
@@ -390,6 +395,19 @@ def fully_shard(
         m.register_load_state_dict_post_hook(lambda mod, keys: _resync(unit_of(mod)))
         m.__class__ = fsdp_class(type(m), FSDPModule, {"__deepcopy__": _no_deepcopy})
     return module
+
+
+class AppliedTwiceError(ValueError, AssertionError):
+    """``fully_shard`` applied to a module twice (a ValueError; also an AssertionError, the type FSDP2 raises)."""
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call that manages ``module`` (None if none)."""
+    unit = module.__dict__.get(UNIT)
+    return None if unit is None else state_of(unit)
+
+
+fully_shard.state = _state  # as FSDP2's fully_shard (a torch ``contract``) has it
 
 
 def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list]:
