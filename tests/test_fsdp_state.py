@@ -81,9 +81,25 @@ def test_fully_shard_state():
     assert facts["grouped_share"] and facts["trains"]
 
 
-def test_fully_shard_twice_is_a_value_and_an_assertion_error():
-    from funcshard.fsdp._api import AppliedTwiceError
+def _fsdp2_style_errors():
+    """Code written for FSDP2 catches AssertionError with FSDP2's text; funcshard's ValueErrors are both."""
+    from torch.distributed.tensor import Shard
 
-    assert issubclass(AppliedTwiceError, ValueError) and issubclass(AppliedTwiceError, AssertionError)
-    with pytest.raises(AssertionError):  # (the raise itself is pinned with its text in test_fsdp's ERRORS)
-        raise AppliedTwiceError("x")
+    out = {}
+    model = funcshard.fully_shard(MLP(), mesh=_mesh())
+    for name, fn in {"twice": lambda: funcshard.fully_shard(model, mesh=_mesh()),
+                     "bad_dim": lambda: funcshard.fully_shard(nn.Sequential(nn.Linear(16, 16)), mesh=_mesh(),
+                                                              shard_placement_fn=lambda p: Shard(1))}.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except AssertionError as e:
+            out[name] = (isinstance(e, ValueError), str(e))
+    return out
+
+
+def test_fully_shard_input_errors_are_value_and_assertion_errors():
+    out = run_ranks(2, _fsdp2_style_errors)[0]
+    assert out["twice"][0] and "Each distinct composable distributed API can only be applied to a module once." in (
+        out["twice"][1])
+    assert out["bad_dim"][0] and "Shard dim 1 is invalid for 1D tensor" in out["bad_dim"][1]

@@ -343,9 +343,9 @@ def fully_shard(
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
         if m.__dict__.get(UNIT) is not None:
-            raise AppliedTwiceError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
-                                    f"module, bottom-up (submodules first, then their ancestors). (FSDP2: Each "
-                                    f"distinct composable distributed API can only be applied to a module once.)")
+            raise FullyShardError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
+                                  f"module, bottom-up (submodules first, then their ancestors). (FSDP2: Each "
+                                  f"distinct composable distributed API can only be applied to a module once.)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
@@ -362,8 +362,9 @@ def fully_shard(
         dim = 0 if placement is None else placement.dim
         lo, hi = dim_range(tuple(p.shape))
         if not lo <= dim <= hi:
-            raise ValueError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape {tuple(p.shape)}; "
-                             f"pick a dim in [{lo}, {hi}]")
+            raise FullyShardError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape "
+                                  f"{tuple(p.shape)}; pick a dim in [{lo}, {hi}] (FSDP2: Shard dim {dim} is invalid "
+                                  f"for {p.dim()}D tensor)")
         spec = make_spec(path, p, dim, axis=0, world=world)
         full = p.detach() if p.is_meta else p.detach().to(device)
         records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
@@ -397,8 +398,9 @@ def fully_shard(
     return module
 
 
-class AppliedTwiceError(ValueError, AssertionError):
-    """``fully_shard`` applied to a module twice (a ValueError; also an AssertionError, the type FSDP2 raises)."""
+class FullyShardError(ValueError, AssertionError):
+    """Bad input to ``fully_shard`` where FSDP2 raises an AssertionError (a second call on one module, a shard dim
+    the parameter lacks): a ValueError, and the AssertionError code written for FSDP2 catches."""
 
 
 def _state(module: nn.Module) -> FSDPState | None:
