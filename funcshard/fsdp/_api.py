@@ -80,7 +80,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
-        ctx.fwd_root = unit
+        ctx.fwd_root, ctx.fwd_module = unit, module
         ctx.begin().begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
@@ -108,8 +108,8 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         output = step.module_post_forward(name, module, output)
     elif unit.mp_policy.output_dtype is not None:  # (a unit without parameters: its policy's cast, as in FSDP2)
         output = cast_floating(unit.mp_policy.output_dtype, output)
-    if ctx.fwd_root is unit and not (name is not None and step.tracker.is_open(name)):
-        ctx.end_forward()
+    if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
+        ctx.end_forward()  # (a grouped unit's members not run in it are finished: ``Step.end_forward``)
     return output
 
 

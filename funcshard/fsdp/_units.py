@@ -85,6 +85,7 @@ class _Context:
             raise RuntimeError(f"FSDP requires a single root module but got the modules {top.name()} from the "
                                f"outermost fully_shard call; call fully_shard on their common parent last")
         self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
+        self.fwd_module: nn.Module | None = None  # the module whose call began the forward under way
         self.fresh: Step | None = None  # a step unshard() made before its forward
         self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
         self._ordered: dict[tuple[str, ...], Plan] = {}
@@ -182,7 +183,7 @@ class _Context:
     def end_forward(self) -> None:
         step = self.step
         step.end_forward()
-        self.fwd_root = None
+        self.fwd_root = self.fwd_module = None
         # Prefetch follows the order the units' forwards ran in (FSDP2 records it each iteration): this step's
         # backward at once (the runtime's Prefetcher); later forwards once the same order was seen twice in a row (a
         # model alternating between orders keeps the module order for its forward prefetch).
