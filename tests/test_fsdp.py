@@ -865,14 +865,16 @@ def _errors():
 
 
 ERRORS = {
-    "twice": r"ValueError: fully_shard was already applied to this MLP; apply it once per module",
+    "twice": r"FullyShardError: fully_shard was already applied to this MLP; apply it once per module, .*"
+             r"\(FSDP2: Each distinct composable distributed API can only be applied to a module once.\)",
     "ancestor_first": r"ValueError: fully_shard\(Block\): its parameter 'l1.weight' is already managed by the "
                       r"fully_shard call on MLP, an ancestor; apply fully_shard bottom-up",
     "tied_across_units": r"ValueError: fully_shard\(Block\): parameter 'l1.weight' is shared with \(tied to\) a "
                          r"parameter the fully_shard call on Block already manages; .*fully_shard\(\[a, b\]\)",
     "container": r"ValueError: fully_shard does not support containers that do not implement forward",
     "scalar": r"ValueError: fully_shard doesn't support scalar parameters. Change t to a 1D tensor",
-    "bad_dim": r"ValueError: shard_placement_fn returned Shard\(2\) for 'inp.weight' of shape \(6, 7\); pick a dim",
+    "bad_dim": r"FullyShardError: shard_placement_fn returned Shard\(2\) for 'inp.weight' of shape \(6, 7\); pick a "
+               r"dim in \[-2, 1\] \(FSDP2: Shard dim 2 is invalid for 2D tensor\)",
     "bad_prefetch": r"ValueError: Expects FSDPModule but got",
     "wrong_device": r"ValueError: fully_shard got a mesh of device type 'cuda', and this process has no cuda "
                     r"device; build the mesh for the device the model trains on",

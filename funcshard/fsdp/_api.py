@@ -24,7 +24,7 @@ from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
-from funcshard.fsdp._units import UNIT, _Unit, cls_name, ctx_of, fsdp_class, unit_of
+from funcshard.fsdp._units import UNIT, FSDPState, _Unit, cls_name, ctx_of, fsdp_class, state_of, unit_of
 
 _OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
 
@@ -80,7 +80,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
-        ctx.fwd_root = unit
+        ctx.fwd_root, ctx.fwd_module = unit, module
         ctx.begin().begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
@@ -108,8 +108,8 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         output = step.module_post_forward(name, module, output)
     elif unit.mp_policy.output_dtype is not None:  # (a unit without parameters: its policy's cast, as in FSDP2)
         output = cast_floating(unit.mp_policy.output_dtype, output)
-    if ctx.fwd_root is unit and not (name is not None and step.tracker.is_open(name)):
-        ctx.end_forward()
+    if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
+        ctx.end_forward()  # (a grouped unit's members not run in it are finished: ``Step.end_forward``)
     return output
 
 
@@ -293,6 +293,10 @@ class FSDPModule:
             raise _not_built("set_requires_all_reduce(False) (HSDP gradient all-reduce)",
                              "a 1-D mesh has no all-reduce to skip")
 
+    def _get_fsdp_state(self) -> FSDPState:
+        """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
+        return state_of(unit_of(self))
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         self.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -339,8 +343,9 @@ def fully_shard(
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
         if m.__dict__.get(UNIT) is not None:
-            raise ValueError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
-                             f"module, bottom-up (submodules first, then their ancestors)")
+            raise FullyShardError(f"fully_shard was already applied to this {cls_name(m)}; apply it once per "
+                                  f"module, bottom-up (submodules first, then their ancestors). (FSDP2: Each "
+                                  f"distinct composable distributed API can only be applied to a module once.)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
@@ -357,8 +362,9 @@ def fully_shard(
         dim = 0 if placement is None else placement.dim
         lo, hi = dim_range(tuple(p.shape))
         if not lo <= dim <= hi:
-            raise ValueError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape {tuple(p.shape)}; "
-                             f"pick a dim in [{lo}, {hi}]")
+            raise FullyShardError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape "
+                                  f"{tuple(p.shape)}; pick a dim in [{lo}, {hi}] (FSDP2: Shard dim {dim} is invalid "
+                                  f"for {p.dim()}D tensor)")
         spec = make_spec(path, p, dim, axis=0, world=world)
         full = p.detach() if p.is_meta else p.detach().to(device)
         records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
@@ -390,6 +396,20 @@ def fully_shard(
         m.register_load_state_dict_post_hook(lambda mod, keys: _resync(unit_of(mod)))
         m.__class__ = fsdp_class(type(m), FSDPModule, {"__deepcopy__": _no_deepcopy})
     return module
+
+
+class FullyShardError(ValueError, AssertionError):
+    """Bad input to ``fully_shard`` where FSDP2 raises an AssertionError (a second call on one module, a shard dim
+    the parameter lacks): a ValueError, and the AssertionError code written for FSDP2 catches."""
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call that manages ``module`` (None if none)."""
+    unit = module.__dict__.get(UNIT)
+    return None if unit is None else state_of(unit)
+
+
+fully_shard.state = _state  # as FSDP2's fully_shard (a torch ``contract``) has it
 
 
 def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list]:

@@ -82,9 +82,10 @@ class _Context:
 
     def __init__(self, top: _Unit):
         if len(top.modules) != 1:
-            raise RuntimeError(f"fully_shard needs a single root module, but the outermost call got the modules "
-                               f"{top.name()}; call fully_shard on their common parent last")
+            raise RuntimeError(f"FSDP requires a single root module but got the modules {top.name()} from the "
+                               f"outermost fully_shard call; call fully_shard on their common parent last")
         self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
+        self.fwd_module: nn.Module | None = None  # the module whose call began the forward under way
         self.fresh: Step | None = None  # a step unshard() made before its forward
         self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
         self._ordered: dict[tuple[str, ...], Plan] = {}
@@ -182,7 +183,7 @@ class _Context:
     def end_forward(self) -> None:
         step = self.step
         step.end_forward()
-        self.fwd_root = None
+        self.fwd_root = self.fwd_module = None
         # Prefetch follows the order the units' forwards ran in (FSDP2 records it each iteration): this step's
         # backward at once (the runtime's Prefetcher); later forwards once the same order was seen twice in a row (a
         # model alternating between orders keeps the module order for its forward prefetch).
@@ -190,3 +191,101 @@ class _Context:
         if self.plan().order_differs(seen) and seen == self.last_order:
             self.order = seen
         self.last_order = seen
+
+
+class _FSDPParamView:
+    """A managed parameter as FSDP2's state shows it: its path from the root module (``_param_fqn``)."""
+
+    def __init__(self, fqn: str):
+        self._param_fqn = fqn
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self._param_fqn!r})"
+
+
+class _FSDPParamGroupView:
+    """A unit's group as FSDP2's state shows it: the module path (``_module_fqn``) and the parameters."""
+
+    def __init__(self, module_fqn: str, params: tuple[str, ...]):
+        self._module_fqn = module_fqn
+        self.fsdp_params = [_FSDPParamView(p) for p in params]
+
+
+class _StateContext:
+    def __init__(self, all_states: list):
+        self.all_states = all_states
+
+
+class FSDPState:
+    """What ``fully_shard.state(module)`` returns: one per ``fully_shard`` call (shared by the modules of a grouped
+    call), with the facts FSDP2's state exposes to its users and tests: ``_is_root`` (None before the lazy
+    initialization, which the root's first forward or ``_lazy_init()`` runs), ``_state_ctx.all_states`` (root first,
+    then the nested units in module order), ``_fsdp_param_group`` (None for a unit without parameters: its module path
+    ``_module_fqn`` and parameters ``fsdp_params[i]._param_fqn``, paths from the root module). A read-only view of the
+    unit: the runtime keeps its own data."""
+
+    def __init__(self, unit: _Unit):
+        self._unit = unit
+        self._lazy_root = False  # _lazy_init() was called on this unit while it was not the outermost one
+
+    @property
+    def _is_root(self) -> bool | None:
+        unit = self._unit
+        if self._lazy_root:
+            return True
+        if unit.ctx is None or unit.ctx.stale:
+            return None if not any(s._lazy_root for s in _ancestor_states(unit)) else False
+        return unit is unit.ctx.top
+
+    def _lazy_init(self) -> None:
+        """FSDP2's lazy initialization, run now: on the outermost unit it builds the root's context (the Plan); on a
+        nested unit it marks that unit a root of its own subtree, after which the outer root's lazy initialization
+        refuses, as FSDP2's does (FSDP2 needs forward to run through the root first)."""
+        unit = self._unit
+        if unit.parent is None:
+            ctx = ctx_of(unit)  # (raises for a grouped outermost call: FSDP requires a single root module)
+            for u in ctx.units:
+                if u is not unit and u.__dict__.get("state") is not None and u.state._lazy_root:
+                    raise RuntimeError(f"FSDP state has already been lazily initialized for {_module_path(ctx, u)}\n"
+                                       f"FSDP requires running forward through the root module first")
+            return
+        self._lazy_root = True
+
+    @property
+    def _state_ctx(self) -> _StateContext:
+        ctx = ctx_of(self._unit)
+        return _StateContext([state_of(u) for u in ctx.units])
+
+    @property
+    def _fsdp_param_group(self) -> _FSDPParamGroupView | None:
+        unit = self._unit
+        ctx = ctx_of(unit)
+        if unit.group is None:
+            return None
+        return _FSDPParamGroupView(unit.group, ctx.base.group(unit.group).params)
+
+    @property
+    def _fsdp_param_groups(self) -> list[_FSDPParamGroupView]:
+        group = self._fsdp_param_group
+        return [] if group is None else [group]
+
+
+def state_of(unit: _Unit) -> FSDPState:
+    state = unit.__dict__.get("state")
+    if state is None:
+        state = unit.state = FSDPState(unit)
+    return state
+
+
+def _ancestor_states(unit: _Unit) -> list[FSDPState]:
+    out, u = [], unit.parent
+    while u is not None:
+        if u.__dict__.get("state") is not None:
+            out.append(u.state)
+        u = u.parent
+    return out
+
+
+def _module_path(ctx: _Context, unit: _Unit) -> str:
+    paths = {id(m): n for n, m in ctx.top.modules[0].named_modules()}
+    return ", ".join(paths[id(m)] for m in unit.modules)
