@@ -870,7 +870,7 @@ ERRORS = {
     "ancestor_first": r"ValueError: fully_shard\(Block\): its parameter 'l1.weight' is already managed by the "
                       r"fully_shard call on MLP, an ancestor; apply fully_shard bottom-up",
     "tied_across_units": r"ValueError: fully_shard\(Block\): parameter 'l1.weight' is shared with \(tied to\) a "
-                         r"parameter the fully_shard call on Block already manages; .*fully_shard\(\[a, b\]\)",
+                         r"parameter already managed by another fully_shard call, on Block; .*fully_shard\(\[a, b\]\)",
     "container": r"ValueError: fully_shard does not support containers that do not implement forward",
     "scalar": r"ValueError: fully_shard doesn't support scalar parameters. Change t to a 1D tensor",
     "bad_dim": r"FullyShardError: shard_placement_fn returned Shard\(2\) for 'inp.weight' of shape \(6, 7\); pick a "

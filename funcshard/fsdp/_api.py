@@ -443,10 +443,10 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
                     raise ValueError(f"{call}: its parameter {path!r} is already managed by the fully_shard call "
                                      f"on {owner.name()}, an ancestor; apply fully_shard bottom-up: submodules "
                                      f"first, then their ancestors")
-                raise ValueError(f"{call}: parameter {path!r} is shared with (tied to) a parameter the "
-                                 f"fully_shard call on {owner.name()} already manages; a parameter belongs to one "
-                                 f"unit: shard the modules sharing it together, fully_shard([a, b]), or leave it "
-                                 f"to a common ancestor")
+                raise ValueError(f"{call}: parameter {path!r} is shared with (tied to) a parameter already managed "
+                                 f"by another fully_shard call, on {owner.name()}; a parameter belongs to one unit: "
+                                 f"shard the modules sharing it together, fully_shard([a, b]), or leave it to a "
+                                 f"common ancestor")
             if isinstance(p, DTensor):
                 raise _not_built("fully_shard on DTensor parameters (FSDP + tensor parallel)",
                                  "pass plain parameters")
