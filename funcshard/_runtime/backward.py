@@ -42,7 +42,8 @@ class ReduceQueue(Part):
         step.frozen.grads_done(name)
         self.finish()
         with no_functorch():
-            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name))
+            return start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
+                                        step.replicate_pg)
 
     def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
         self.item = (name, pending, factor, sink, extra)
@@ -52,14 +53,17 @@ class ReduceQueue(Part):
             return None
         name, pending, factor, sink, extra = self.item
         self.item = None
+        options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
         with no_functorch():
-            return name, pending.finish(factor), sink, extra
+            return name, pending.finish(factor, **options), sink, extra
 
     def finish(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and deliver its shards."""
+        """Wait for the reduce-scatter in flight, if any, and deliver its shards (none when the sink keeps its sums
+        without an all-reduce: ``reduce_options``)."""
         if (taken := self._take()) is not None:
             name, shards, sink, extra = taken
-            sink.deliver(name, shards, extra)
+            if shards is not None:
+                sink.deliver(name, shards, extra)
 
     def finish_if(self, name: str, extra: Any) -> None:
         if self.item is not None and self.item[0] == name and self.item[4] == extra:

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_grad
 from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
+from funcshard._mesh import dp_placements
 from funcshard._spec import ShardSpec
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class _Param:
         shape = torch.Size(self.spec.shape)
         stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
         with torch.no_grad():
-            return DTensor.from_local(local, mesh, (Shard(self.spec.dim),), run_check=False, shape=shape,
+            return DTensor.from_local(local, mesh, dp_placements(mesh, self.spec.dim), run_check=False, shape=shape,
                                       stride=stride)
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -88,6 +89,15 @@ class GradSink:
             if p in unit.acc:
                 grads[i] = unit.acc.pop(p) if grads[i] is None else unit.acc.pop(p).add_(grads[i])
         return grads, [g is not None for g in grads]
+
+    def reduce_options(self, name: str) -> dict:
+        """How the runtime finishes a group's reduce (``PendingReduce.finish``): HSDP's all-reduce or not
+        (``set_requires_all_reduce``; the sums kept without it, in the unit), the all-reduce hook."""
+        unit = self.ctx.by_group[name]
+        out = {} if unit.all_reduce and not unit.partial else {"all_reduce": unit.all_reduce, "partial": unit.partial}
+        if unit.all_reduce_hook is not None:
+            out["hook"] = unit.all_reduce_hook
+        return out
 
     def deliver(self, name: str, shards: list, had: list[bool]) -> None:
         """Accumulate a group's reduce-scattered shards into its parameters' DTensor ``.grad``."""
