@@ -82,19 +82,19 @@ def _scenario(name, fs, mesh):
     if name == "reshard_2":
         return _fit(_nested(fs, MLP(layers=3), mesh, reshard_after_forward=2), steps=STEPS)
     if name == "clip":
-        return _fit(_nested(fs, MLP(layers=3), mesh), steps=STEPS, clip=0.05)
+        return _fit(_nested(fs, MLP(layers=3), mesh), steps=STEPS // 2, clip=0.05)
     if name == "bf16":
         mp = fs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return _fit(_nested(fs, MLP(layers=3), mesh, mp_policy=mp), steps=STEPS,
+        return _fit(_nested(fs, MLP(layers=3), mesh, mp_policy=mp), steps=STEPS // 2,
                     loss=lambda p, y: F.mse_loss(p.float(), y))
     if name == "no_all_reduce":  # HSDP accumulation: reduce-scatter every microbatch, all-reduce the last
         model = _nested(fs, MLP(layers=3), mesh)
-        return _fit(model, steps=STEPS // 2, micro=3, each=lambda m, s, k: m.set_requires_all_reduce(k == 2))
+        return _fit(model, steps=3, micro=3, each=lambda m, s, k: m.set_requires_all_reduce(k == 2))
     if name == "hook":  # the all-reduce hook sees the averaged gradients (a scale by 0.5 shows where it runs)
         model = _nested(fs, MLP(layers=3), mesh)
         for m in (model, *model.blocks):
             m.set_all_reduce_hook(lambda t: t.mul_(0.5))
-        return _fit(model, steps=STEPS // 2)
+        return _fit(model, steps=3)
     raise KeyError(name)
 
 
@@ -123,7 +123,7 @@ def _same_traffic(ref, got):
     ((2, 2), ["plain", "clip", "bf16", "no_all_reduce", "hook", "reshard_2"]),
     ((1, 4), ["plain", "reshard_2"]),
     ((4, 1), ["plain", "no_all_reduce"]),
-    ((4,), ["reshard_2", "hook"]),
+    ((4,), ["reshard_2", "hook"]),  # (1-D: the hook after the reduce-scatter)
 ])
 def test_fully_shard_matches_fsdp2_on_2d_meshes(shape, names):
     for res in run_ranks(4, _parity, shape, names):
@@ -198,7 +198,10 @@ def test_functional_path_on_2d_meshes(shape, rsf, layout):
 def _issued_vs_schedule(shape, rsf, layout):
     mesh = _mesh(shape)
     torch.manual_seed(0)
-    plan = funcshard.plan(MLP(layers=3), mesh, groups=(Block,), reshard_after_forward=rsf, layout=layout)
+    plan = funcshard.plan(MLP(layers=3), mesh, groups=(Block,), layout=layout,
+                          reshard_after_forward=None if rsf == "one group" else rsf)
+    if rsf == "one group":  # the per-group equivalent: one group kept over blocks of 2 ranks, the others freed
+        plan = plan.with_group("blocks.1", reshard_after_forward=2)
     state = funcshard.shard(plan)
     x = torch.randn(2, 7)
     with GroupCollectives() as rec:
@@ -215,6 +218,8 @@ def test_each_process_group_runs_the_schedules_collectives():
         ((4, 1), None, "per_param", {("all-reduce", 0, 4)}),  # one rank per shard: no all-gather, no reduce-scatter
         ((1, 4), 2, "flat", {("all-gather", 1, 4), ("all-gather", 1, 2), ("reduce-scatter", 1, 4)}),
         ((4,), 2, "per_param", {("all-gather", 0, 4), ("all-gather", 0, 2), ("reduce-scatter", 0, 4)}),
+        ((2, 2), "one group", "per_param", {("all-gather", 1, 2), ("reduce-scatter", 1, 2), ("all-reduce", 0, 2)}),
+        ((1, 4), "one group", "per_param", {("all-gather", 1, 4), ("all-gather", 1, 2), ("reduce-scatter", 1, 4)}),
     ]:
         for same, issued, planned, got_axes, printed, totals in run_ranks(4, _issued_vs_schedule, shape, rsf, layout):
             assert same, (shape, rsf, issued, planned)
@@ -224,8 +229,11 @@ def test_each_process_group_runs_the_schedules_collectives():
                 assert ("[reduce-scatter on axis 'shard' (2 ranks), all-reduce on axis 'replicate' (2 ranks)]"
                         in printed)
                 assert totals["all-reduce"] * 2 == totals["reduce-scatter"]  # each rank all-reduces its half
-            if rsf == 2:  # the backward all-gathers run within blocks of 2 of the 4 ranks of the shard axis
+            if rsf == 2 or (rsf == "one group" and shape == (1, 4)):
+                # the backward all-gathers run within blocks of 2 of the 4 ranks of the shard axis
                 assert "(blocks of 2 of its 4 ranks)" in printed and "keep a 2-rank shard" in printed, printed
+            if rsf == "one group":
+                assert ("free blocks.1 (keep a 2-rank shard)" in printed) == (shape == (1, 4)), printed
 
 
 # ---- memory: an int reshard holds a k-th of each group between forward and backward ----------------------------------
