@@ -117,8 +117,8 @@ def present(spec: ShardSpec, local: torch.Tensor, mesh, rank: int):
     from torch.distributed.tensor import Replicate
 
     genuine = spec.flat is None and spec.shape
-    out = spec.dtensor(spec.valid_part(local, rank), mesh) if genuine else spec.dtensor(local.view(local.shape),
-                                                                                          mesh, Replicate())
+    out = spec.dtensor(spec.valid_part(local, rank), mesh) if genuine else spec.dtensor(
+        local.view(local.shape), mesh, (Replicate(),) * mesh.ndim)
     placed = _Placed(spec, local, rank)
     carried = dtensor_local(out)  # the DTensor's own local tensor: DTensor hands DCP's calls to it
     carried.__create_write_items__ = placed.write_items

@@ -32,6 +32,7 @@ from funcshard._compat import (
     reduce_scatter_name,
     unflatten_dense_tensors,
 )
+from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import bucket_sizes
 from funcshard._spec import ShardSpec
@@ -131,7 +132,7 @@ def _group_of(where) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(where, DeviceMesh):
-        return where.get_group(where.ndim - 1)
+        return shard_group(where)
     return where if where is not None else dist.group.WORLD
 
 
@@ -246,7 +247,7 @@ class _AllReduce(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0. Backward: reduce-scatter (sum). ``group``: a
-    ProcessGroup, a DeviceMesh (its last axis) or None (the default group)."""
+    ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group)."""
     return _AllGather.apply(x, _group_of(group))
 
 
@@ -374,12 +375,14 @@ class PendingGather:
         lay = self.layout
         if lay.flat:
             for work in self.works:
-                work.wait()
+                if work is not None:
+                    work.wait()
             self.outs = self.works = None
             return
         dsts, srcs = [], []
         for (dt, ix), out, work, dst in zip(lay.buckets, self.outs, self.works, targets):
-            work.wait()
+            if work is not None:
+                work.wait()
             if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
                 with no_grad():
                     torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1, out=dst)
@@ -413,8 +416,54 @@ def start_gather(
             if valid < n:
                 inp.narrow(0, valid, n - valid).zero_()
             bufs.append(out)
-            works.append(all_gather_into(out, inp, group))
+            works.append(all_gather_into(out, inp, group) if layout.world > 1 else None)  # (1 rank: no collective)
     return PendingGather(layout, bufs, works)
+
+
+def bucket_buffers(layout: Buckets, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per bucket, the unsharded buffers it fills: its parameters' padded tensors, or the flat layout's buffer."""
+    if layout.flat:
+        return [[b] for b in bases]
+    return [[bases[i] for i in ix] for _, ix in layout.buckets]
+
+
+def post_forward_shards(layout: Buckets, bases: Sequence[torch.Tensor], rank: int, k: int) -> list[torch.Tensor]:
+    """Per bucket, what a rank keeps after forward when its group is resharded to ``k`` ranks (int
+    ``reshard_after_forward``): the ``rank``-th of ``k`` equal slices of each of its unsharded buffers (padding
+    included: ``k`` divides the shard count), concatenated, a copy (FSDP2's post-forward shard)."""
+    with no_grad():
+        return [torch.cat([t.view(k, -1)[rank] for t in ts]) for ts in bucket_buffers(layout, bases)]
+
+
+class PendingRegather:
+    """All-gathers in flight over a block of ``k`` ranks, from the post-forward shards; ``finish(bases)`` waits and
+    copies out into the unsharded buffers (each the ``k`` slices ``post_forward_shards`` cut, rank-major)."""
+
+    def __init__(self, layout: Buckets, k: int, outs, works):
+        self.layout, self.k, self.outs, self.works = layout, k, outs, works
+
+    def finish(self, bases: Sequence[torch.Tensor]) -> None:
+        k = self.k
+        for ts, out, work in zip(bucket_buffers(self.layout, bases), self.outs, self.works):
+            work.wait()
+            with no_grad():
+                torch.split_with_sizes_copy(out.view(k, -1), [t.numel() // k for t in ts], dim=1,
+                                            out=[t.view(k, -1) for t in ts])
+        free_buffers(self.outs)
+        self.outs = self.works = None
+
+
+def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: int, k: int) -> PendingRegather:
+    """Issue the all-gathers (async) of a group's post-forward shards over its block of ``k`` ranks."""
+    outs, works = [], []
+    with no_grad():
+        for p in post:
+            out = torch.empty(k * p.numel(), dtype=p.dtype, device=p.device)
+            inp = out.narrow(0, rank * p.numel(), p.numel())
+            inp.copy_(p)
+            outs.append(out)
+            works.append(all_gather_into(out, inp, group))
+    return PendingRegather(layout, k, outs, works)
 
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
@@ -464,23 +513,50 @@ def reduce_scatter_grads(
 
 
 class PendingReduce:
-    """A group's reduce-scatters in flight; ``finish(divide)`` waits, frees the inputs and returns the local
-    gradient shards."""
+    """A group's reduce-scatters in flight; ``finish(divide)`` waits, frees the inputs, all-reduces over the replicate
+    group (HSDP) and returns the local gradient shards."""
 
-    def __init__(self, layout: Buckets, pending: list):
-        self.layout, self.pending = layout, pending
+    def __init__(self, layout: Buckets, pending: list, replicate=None):
+        self.layout, self.pending, self.replicate = layout, pending, replicate
 
-    def finish(self, divide: float) -> list[torch.Tensor]:
+    def finish(self, divide: float, *, all_reduce: bool = True, partial: dict | None = None,
+               hook=None) -> list[torch.Tensor] | None:
+        """HSDP (a replicate group): each output is all-reduced (sum) over it before the divide. ``partial``: sums a
+        finish without all-reduce left (by dtype; taken and added first). ``all_reduce=False``: keep the sums in
+        ``partial`` instead (no all-reduce, divide or shards: FSDP2's ``set_requires_all_reduce(False)``); returns
+        None. ``hook(output)``: FSDP2's all-reduce hook, on each output in the reduce dtype after the all-reduce, when
+        it holds what FSDP2's holds there (after the divide for fp32 and bf16, which FSDP2 divides inside the
+        collectives; before the rest of it for fp16)."""
         layout = self.layout
         result: list[torch.Tensor | None] = [None] * len(layout.specs)
         pending, self.pending = self.pending, []
+        reduced = []
         with no_grad():
             for dt, ix, inp, out, work, before in pending:
-                work.wait()
-                free_buffers([inp])
+                if work is not None:
+                    work.wait()
+                    free_buffers([inp])
+                if partial is not None and (acc := partial.pop(dt, None)) is not None:
+                    out.add_(acc)
+                if self.replicate is not None and not all_reduce:
+                    partial[dt] = out
+                    continue
+                ar = None
+                if self.replicate is not None:
+                    ar = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate, async_op=True)
+                reduced.append((dt, ix, out, ar, before))
+            if self.replicate is not None and not all_reduce:
+                return None
+            for dt, ix, out, ar, before in reduced:
+                if ar is not None:
+                    ar.wait()
                 after = divide / before  # (fp32, bf16: all of it; see _policy.divide_factors)
+                if hook is not None and before != 1.0:
+                    hook(out)
                 if after != 1.0:
                     out.div_(after)  # in the reduce dtype, before the cast back (FSDP2's order)
+                if hook is not None and before == 1.0:
+                    hook(out)
                 shard_dtype = layout.shard_dtype[dt]
                 if shard_dtype is not None and out.dtype != shard_dtype:
                     out = out.to(shard_dtype)
@@ -494,12 +570,14 @@ class PendingReduce:
 
 
 def start_reduce_scatter(
-    layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device, divide: float = 1.0
+    layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device, divide: float = 1.0,
+    replicate=None,
 ) -> PendingReduce:
     """Copy a group's full gradients into one reduce-scatter input per dtype (cast to the reduce dtype by the copy)
-    and issue the reduce-scatters (async); consumes ``grads`` (see ``reduce_scatter_grads``). ``divide``: the
-    factor ``finish`` will divide by; for a reduce dtype that risks overflow part of it is applied here, before
-    the sum (``_policy.divide_factors``)."""
+    and issue the reduce-scatters (async; none over a single rank); consumes ``grads`` (see
+    ``reduce_scatter_grads``). ``divide``: the factor ``finish`` will divide by; for a reduce dtype that risks
+    overflow part of it is applied here, before the sum (``_policy.divide_factors``). ``replicate``: the process group
+    ``finish`` all-reduces the outputs over (HSDP)."""
     pending = []
     world = layout.world
     with no_grad():
@@ -548,6 +626,9 @@ def start_reduce_scatter(
             before, _ = divide_factors(divide, rdt)
             if before != 1.0:
                 inp.div_(before)
+            if world == 1:  # the input is the output (FSDP2 issues no collective either)
+                pending.append((dt, ix, inp, inp, None, before))
+                continue
             out = torch.empty(n, dtype=rdt, device=device)
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group), before))
-    return PendingReduce(layout, pending)
+    return PendingReduce(layout, pending, replicate)

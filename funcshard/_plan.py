@@ -16,8 +16,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from funcshard._schedule import label, schedule
-from funcshard._mesh import mesh_str, resolve_mesh
-from funcshard._policy import MixedPrecisionPolicy, check_mp_policy, compute_dtype, reshard_after_forward_default
+from funcshard._mesh import axis_name, dp_axes, mesh_str, post_forward_group, resolve_mesh
+from funcshard._policy import (
+    MixedPrecisionPolicy,
+    check_mp_policy,
+    compute_dtype,
+    reshard_after_forward_default,
+    resolve_reshard_after_forward,
+)
 from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
 
 __all__ = ["Group", "Plan", "plan"]
@@ -34,7 +40,10 @@ class Group:
         modules: paths of the modules whose forward uses the group (gathered before the first of them runs,
             freed after the last of them has run). The root group's module is the whole model, ``("",)``.
         params: canonical paths of the group's parameters, in module order.
-        reshard_after_forward: free the unsharded parameters after forward (gather again for backward).
+        reshard_after_forward: free the unsharded parameters after forward (gather again for backward). An int
+            ``k`` (1 < k < shard axis size, dividing it): keep them sharded over ``k`` ranks after forward (FSDP2's
+            post-forward mesh, ZeRO++ hpZ), so the backward all-gather runs within a block of ``k`` ranks; the plan
+            turns 1 into False and the shard axis size into True.
         reshard_after_backward: free them after backward (False: the next forward uses them without an
             all-gather, e.g. during gradient accumulation).
         unshard_in_backward: gather the group again for its backward (False: its backward reads no parameters,
@@ -49,7 +58,7 @@ class Group:
     name: str
     modules: tuple[str, ...]
     params: tuple[str, ...]
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     grad_divide_factor: float | None = None
@@ -70,16 +79,19 @@ class Plan:
     Attributes:
         module: the planned module (its structure, not its parameter values, is what the plan is about).
         mesh: the DeviceMesh; parameters are sharded over ``shard_axis``.
-        shard_axis: the mesh axis parameters are sharded over (the last one; a 2-D ``(replicate, shard)`` mesh
-            for HSDP puts replication on axis 0).
+        shard_axis: the mesh axis parameters are sharded over (``_mesh.dp_axes``: the only axis of a 1-D mesh, axis
+            1 of a 2-D ``(replicate, shard)`` mesh for HSDP).
+        replicate_axis: the mesh axis parameters are replicated over (HSDP: axis 0 of a 2-D mesh; None: none);
+            gradients are all-reduced over it after the reduce-scatter.
         specs: one :class:`ShardSpec` per parameter, keyed by canonical path.
         groups: the gather groups in forward execution order; the root group comes first.
         forward_prefetch: how many groups ahead the forward all-gathers run (0: gather on use).
         backward_prefetch: how many groups ahead (in reverse order) the backward all-gathers run.
         forward_prefetch_lists / backward_prefetch_lists: explicit per-group prefetch lists (group name ->
             names of groups to gather when it starts); they replace the depth-based default for that group.
-        grad_divide_factor: gradients are reduce-scattered with a sum, then divided by this factor, once.
-            Default: the data-parallel size (the mesh size), so gradients are those of the global mean loss.
+        grad_divide_factor: gradients are reduce-scattered with a sum (and all-reduced over the replicate axis), then
+            divided by this factor, once. Default: the data-parallel size (the mesh size: replicate * shard), so
+            gradients are those of the global mean loss.
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -93,9 +105,21 @@ class Plan:
     backward_prefetch_lists: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     grad_divide_factor: float | None = None
     layout: str = "per_param"
+    replicate_axis: int | None = None
     # what other modules derive from the plan (layouts, schedule, runtime facts): computed once per Plan object,
     # kept with it (a new, edited plan starts empty), so nothing outside holds a plan or its module alive
     _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):  # int reshard_after_forward: 1 is False, the shard axis size True (FSDP2's rule)
+        if any(not isinstance(g.reshard_after_forward, bool) for g in self.groups):
+            object.__setattr__(self, "groups", tuple(
+                dataclasses.replace(g, reshard_after_forward=_post_forward_size(g, self._shard_world()))
+                for g in self.groups))
+
+    def _shard_world(self) -> int:
+        if self.mesh is not None:
+            return self.mesh.size(self.shard_axis)
+        return next(iter(self.specs.values())).world if self.specs else 1
 
     # ---- derived facts -------------------------------------------------------------------------
     def derived(self, key: str, make: Callable[[Plan], Any]) -> Any:
@@ -107,7 +131,39 @@ class Plan:
 
     @property
     def world(self) -> int:
+        """Ranks on the shard axis (the shards of every parameter)."""
         return self.mesh.size(self.shard_axis)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks on the replicate axis (1: none)."""
+        return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
+
+    def post_forward_world(self, group: Group) -> int | None:
+        """``k`` when the group is kept sharded over ``k`` ranks after forward (int ``reshard_after_forward``), else
+        None."""
+        rsf = group.reshard_after_forward
+        return None if isinstance(rsf, bool) else rsf
+
+    def shard_group(self):
+        """The process group of the shard axis, and this rank's index on it."""
+        return self.mesh.get_group(self.shard_axis), self.mesh.get_local_rank(self.shard_axis)
+
+    def replicate_group(self):
+        """The process group gradients are all-reduced over (HSDP), None without a replicate axis of 2 or more."""
+        return None if self.replicas == 1 else self.mesh.get_group(self.replicate_axis)
+
+    def post_forward_group(self, k: int):
+        """``(process group, rank in it)`` of this rank's block of ``k`` ranks of the shard axis (``_mesh``)."""
+        return post_forward_group(self.mesh, self.shard_axis, k)
+
+    def axes_str(self) -> str:
+        """The mesh axes as printed: which one shards, which one replicates."""
+        def one(kind: str, axis: int) -> str:
+            return f"{kind} axis {axis_name(self.mesh, axis)} ({self.mesh.size(axis)} ranks)"
+
+        rep = "" if self.replicate_axis is None else ", " + one("replicate", self.replicate_axis)
+        return one("shard", self.shard_axis) + rep
 
     @property
     def divide_factor(self) -> float:
@@ -190,10 +246,11 @@ class Plan:
 
     def __str__(self) -> str:
         lines = [
-            f"Plan over {self.mesh} (shard axis {self.shard_axis}, {self.world} shards), "
+            f"Plan over {mesh_str(self.mesh)} ({self.axes_str()}), "
             f"{len(self.specs)} parameters in {len(self.groups)} groups; "
             f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
-            f"gradients divided by {self.divide_factor:g} after reduce-scatter; layout {self.layout}",
+            f"gradients divided by {self.divide_factor:g} after reduce-scatter"
+            f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}",
         ]
         step = schedule(self)
         for g in self.groups:
@@ -212,10 +269,14 @@ class Plan:
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
         lines.append("  one step:")
-        lines.extend(f"    {i:>3}. {op}" for i, op in enumerate(step.lines(), 1))
+        lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(self.mesh)}" for i, line in enumerate(step.lines(), 1))
         totals = step.totals()
         lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
-                     f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)")
+                     f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
+                     (f", all-reduce {totals['all-reduce'] / 2**20:.2f} MiB" if "all-reduce" in totals else ""))
+        kept = step.kept_after_forward()
+        lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
+                     f"(groups not resharded, or resharded to fewer ranks)")
         return "\n".join(lines)
 
 
@@ -236,7 +297,7 @@ def plan(
     *,
     groups: GroupPolicy = None,
     shard_placement_fn: Callable[[str, nn.Parameter], int | None] | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     prefetch: int = 1,
     backward_prefetch: int | None = None,
     forward_prefetch_lists: Mapping[str, Iterable[str]] | None = None,
@@ -249,8 +310,9 @@ def plan(
 
     Args:
         module: the model. Its parameters may live on the meta device (only shapes and dtypes are read).
-        mesh: a 1-D DeviceMesh (parameters are sharded over its only axis). ``None``: a 1-D mesh over the
-            default process group.
+        mesh: a 1-D DeviceMesh (parameters are sharded over its only axis), or a 2-D ``(replicate, shard)`` one
+            (HSDP: sharded over axis 1, replicated over axis 0; gradients reduce-scattered over axis 1, then
+            all-reduced over axis 0). ``None``: a 1-D mesh over the default process group.
         groups: which modules form gather groups; the remaining parameters form the root group. One of:
             a module class or tuple of classes (every instance is a group, e.g. the transformer blocks);
             a callable ``(fqn, module) -> bool``; a sequence of module paths, each a string (one module) or
@@ -259,7 +321,8 @@ def plan(
         shard_placement_fn: ``(fqn, param) -> dim | None``: the tensor dim to shard each parameter on
             (``None``: dim 0). Negative dims count from the end. Uneven sizes are padded, on any dim.
         reshard_after_forward: free each group's unsharded parameters after its forward. ``None``: True for
-            every group but the root (which is used again at once by backward), as FSDP2 does.
+            every group but the root (which is used again at once by backward), as FSDP2 does. An int ``k``
+            dividing the shard axis size: keep them sharded over ``k`` ranks after forward (``Group``).
         prefetch: forward prefetch depth: while group k computes, the all-gathers of groups k+1..k+prefetch
             are in flight. 0 gathers each group when it is used.
         backward_prefetch: backward prefetch depth (default: ``prefetch``).
@@ -275,7 +338,8 @@ def plan(
             see :class:`Group`. Shards, gradients and optimizer state stay in the parameters' dtype.
     """
     mesh = resolve_mesh(mesh)
-    shard_axis = mesh.ndim - 1
+    axes = dp_axes(mesh)
+    shard_axis = axes.shard
     world = mesh.size(shard_axis)
     named = _canonical_params(module)
     aliases = named["paths"]
@@ -330,9 +394,18 @@ def plan(
         backward_prefetch_lists={k: tuple(v) for k, v in (backward_prefetch_lists or {}).items()},
         grad_divide_factor=grad_divide_factor,
         layout=layout,
+        replicate_axis=axes.replicate,
     )
     _check_schedule(result)
     return result
+
+
+def _post_forward_size(g: Group, world: int) -> bool | int:
+    """A group's int ``reshard_after_forward`` checked against the shard axis size and normalized (FSDP2's rule)."""
+    try:
+        return resolve_reshard_after_forward(g.reshard_after_forward, world, f"group {label(g.name)!r}")
+    except ValueError as e:
+        raise ShardingError(str(e)) from None
 
 
 def _flat_specs(specs: dict[str, ShardSpec], groups: Sequence[Group], rank: int) -> dict[str, ShardSpec]:

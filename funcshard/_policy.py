@@ -24,7 +24,8 @@ import torch
 from funcshard._compat import apply_to_tensors
 
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "cast_floating", "check_mp_policy",
-           "compute_dtype", "divide_factors", "reduce_dtype_of", "reshard_after_forward_default"]
+           "compute_dtype", "divide_factors", "reduce_dtype_of", "reshard_after_forward_default",
+           "resolve_reshard_after_forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,27 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-def reshard_after_forward_default(value: bool | None, *, is_root: bool) -> bool:
-    """``None`` means True for every group but the root, which backward uses again at once (FSDP2's rule)."""
-    return (not is_root) if value is None else bool(value)
+def reshard_after_forward_default(value: bool | int | None, *, is_root: bool) -> bool | int:
+    """``None`` means True for every group but the root, which backward uses again at once (FSDP2's rule); an int
+    (the ranks to reshard to after forward) stays an int, checked against the mesh by the plan."""
+    if value is None:
+        return not is_root
+    return value if isinstance(value, int) else bool(value)
+
+
+def resolve_reshard_after_forward(value: bool | int, world: int, where: str) -> bool | int:
+    """An int ``reshard_after_forward`` checked against the shard axis size ``world`` and normalized (FSDP2's rule): 1
+    means False (keep unsharded), ``world`` means True; otherwise it must divide ``world``. Bools pass unchanged."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or value > world or world % value:
+        divisors = [d for d in range(2, world) if world % d == 0]
+        raise ValueError(
+            f"{where}: reshard_after_forward={value!r} must be a bool or an int that divides the shard axis size "
+            f"{world} (the ranks to keep the parameters sharded over after forward); pick "
+            f"{f'one of {divisors}' if divisors else 'True or False (no block size between 1 and ' + str(world) + ')'}"
+        )
+    return False if value == 1 else True if value == world else value
 
 
 _MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")

@@ -28,6 +28,7 @@ __all__ = ["Collective", "Op", "Schedule", "bucket_sizes", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
+ALL_REDUCE = "all-reduce"
 FREE = "free"
 BACKWARD = "-- backward --"  # the marker between forward and backward
 
@@ -69,15 +70,16 @@ def _unsharded_nbytes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | Non
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective as the process group sees it: one group's all-gather or reduce-scatter of one dtype.
+    """One collective as the process group sees it: one group's all-gather, reduce-scatter or all-reduce of one dtype.
 
     Attributes:
-        kind: ``"all-gather"`` or ``"reduce-scatter"``.
+        kind: ``"all-gather"``, ``"reduce-scatter"`` or ``"all-reduce"`` (HSDP, over the replicate axis).
         group: the group's name (``""``: the root group).
         dtype: the buffer's dtype.
-        numel: elements per rank: the all-gather's input, the reduce-scatter's output.
-        world: ranks on the mesh axis it runs on.
-        axis: the mesh axis (the plan's shard axis).
+        numel: elements per rank: the all-gather's input, the reduce-scatter's output, the all-reduce's buffer.
+        world: ranks in the process group it runs on: the mesh axis' size, or ``k`` for the backward all-gather of a
+            group resharded to ``k`` ranks after forward (a block of the shard axis).
+        axis: the mesh axis it runs along (the plan's shard axis; its replicate axis for an all-reduce).
     """
 
     kind: str
@@ -89,13 +91,25 @@ class Collective:
 
     @property
     def full_numel(self) -> int:
-        """Elements of the unsharded buffer: the all-gather's output, the reduce-scatter's input."""
-        return self.numel * self.world
+        """Elements of the unsharded buffer: the all-gather's output, the reduce-scatter's input (an all-reduce's
+        buffer is as large on every rank)."""
+        return self.numel if self.kind == ALL_REDUCE else self.numel * self.world
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the unsharded buffer (the all-gather's output, the reduce-scatter's input)."""
+        """Bytes of the unsharded buffer (the all-gather's output, the reduce-scatter's input, the all-reduce's
+        buffer)."""
         return self.full_numel * self.dtype.itemsize
+
+    def where(self, mesh) -> str:
+        """The process group it runs on, as printed: the mesh axis, and the block size when it is a part of it."""
+        from funcshard._mesh import axis_name
+
+        if mesh is None:
+            return f"axis {self.axis} ({self.world} ranks)"
+        size = mesh.size(self.axis)
+        part = f"blocks of {self.world} of its {size} ranks" if self.world != size else f"{size} ranks"
+        return f"axis {axis_name(mesh, self.axis)} ({part})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +137,12 @@ class Op:
             return f"{REDUCE_SCATTER} {name}, " + (self.why or "free it")
         return f"{self.kind} {name}" + (f" ({self.why})" if self.why else "")
 
+    def where(self, mesh) -> str:
+        """Which process group each of its collectives runs on (``Plan.__str__``), e.g. ``"  [reduce-scatter on axis
+        'shard' (2 ranks), all-reduce on axis 'replicate' (2 ranks)]"``; empty without collectives."""
+        seen = dict.fromkeys(f"{c.kind} on {c.where(mesh)}" for c in self.collectives)
+        return f"  [{', '.join(seen)}]" if seen else ""
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -135,6 +155,7 @@ class Schedule:
 
     ops: tuple[Op, ...]
     group_nbytes: tuple[tuple[str, int], ...]
+    kept_fraction: tuple[int, ...] = ()  # per group: 0 freed after forward, 1 kept, k a k-th kept
 
     def lines(self) -> list[str]:
         """The step as printed by ``Plan.collective_order()``, one string per op."""
@@ -145,14 +166,21 @@ class Schedule:
         return tuple(c for op in self.ops for c in op.collectives)
 
     def totals(self) -> dict[str, int]:
-        """Bytes of the unsharded buffers per kind of collective (``"all-gather"``, ``"reduce-scatter"``)."""
+        """Bytes of the unsharded buffers per kind of collective (``"all-gather"``, ``"reduce-scatter"``; and
+        ``"all-reduce"`` when the step has one: HSDP)."""
         out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
         for c in self.collectives():
-            out[c.kind] += c.nbytes
+            out[c.kind] = out.get(c.kind, 0) + c.nbytes
         return out
 
     def unsharded_nbytes(self, group: str) -> int:
         return dict(self.group_nbytes)[group]
+
+    def kept_after_forward(self) -> int:
+        """Bytes of unsharded parameters a rank holds between forward and backward, beyond its shards: the groups
+        not resharded after forward in full, those resharded to ``k`` ranks a ``k``-th (what the memory between the
+        True and False cases is)."""
+        return sum(n // k for n, k in zip(dict(self.group_nbytes).values(), self.kept_fraction) if k)
 
 
 def schedule(plan: Plan) -> Schedule:
@@ -160,14 +188,25 @@ def schedule(plan: Plan) -> Schedule:
     return plan.derived("schedule", _build)
 
 
-def _collectives(kind: str, g, specs: Sequence[ShardSpec]) -> tuple[Collective, ...]:
-    """A group's collectives of one kind, one per compute dtype: all-gathers in the compute dtype, reduce-scatters
-    in the reduce dtype (``reduce_dtype_of``)."""
+def _collectives(kind: str, g, specs: Sequence[ShardSpec], plan: Plan, k: int | None = None
+                 ) -> tuple[Collective, ...]:
+    """A group's collectives of one kind, one per compute dtype: all-gathers in the compute dtype (``k``: the backward
+    all-gather of a group resharded to ``k`` ranks, whose input is a ``k``-th of the unsharded buffer); reduce-scatters
+    in the reduce dtype (``reduce_dtype_of``), each followed (HSDP) by an all-reduce of its output over the replicate
+    axis. None over a single rank."""
     if not specs:
         return ()
     world, axis = specs[0].world, specs[0].axis  # (a plan shards every parameter over one axis)
-    return tuple(Collective(kind, g.name, dt if kind == ALL_GATHER else reduce_dtype_of(dt, g.reduce_dtype), n,
-                            world, axis) for dt, (n, _) in bucket_sizes(specs, g.param_dtype).items())
+    sizes = bucket_sizes(specs, g.param_dtype).items()
+    if kind == ALL_GATHER:
+        if k is not None:
+            return tuple(Collective(kind, g.name, dt, n * world // k, k, axis) for dt, (n, _) in sizes)
+        return tuple(Collective(kind, g.name, dt, n, world, axis) for dt, (n, _) in sizes) if world > 1 else ()
+    reduce = [(reduce_dtype_of(dt, g.reduce_dtype), n) for dt, (n, _) in sizes]
+    rs = tuple(Collective(kind, g.name, dt, n, world, axis) for dt, n in reduce) if world > 1 else ()
+    replicas = plan.replicas
+    return rs + (tuple(Collective(ALL_REDUCE, g.name, dt, n, replicas, plan.replicate_axis) for dt, n in reduce)
+                 if replicas > 1 else ())
 
 
 def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
@@ -184,28 +223,42 @@ def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
 
 def _build(plan: Plan) -> Schedule:
     specs = {g.name: [plan.specs[p] for p in g.params] for g in plan.groups}
-    gathers = {g.name: _collectives(ALL_GATHER, g, specs[g.name]) for g in plan.groups}
-    reduces = {g.name: _collectives(REDUCE_SCATTER, g, _reduced(specs[g.name])) for g in plan.groups}
+    gathers = {g.name: _collectives(ALL_GATHER, g, specs[g.name], plan) for g in plan.groups}
+    post = {g.name: (k, _collectives(ALL_GATHER, g, specs[g.name], plan, k)) for g in plan.groups
+            if (k := plan.post_forward_world(g)) is not None}
+    reduces = {g.name: _collectives(REDUCE_SCATTER, g, _reduced(specs[g.name]), plan) for g in plan.groups}
     ops: list[Op] = []
     gathered: set[str] = set()
+    resharded: set[str] = set()  # groups kept sharded over k ranks after forward: their next gather runs on k
     empty = {g.name for g in plan.groups if not g.params}
 
     def ag(name: str, why: str) -> None:
         if name not in gathered and name not in empty:
             gathered.add(name)
-            ops.append(Op(ALL_GATHER, name, why, gathers[name]))
+            if name in resharded:
+                resharded.discard(name)
+                k, colls = post[name]
+                ops.append(Op(ALL_GATHER, name, f"{why}; from {k} ranks" if why else f"from {k} ranks", colls))
+            else:
+                ops.append(Op(ALL_GATHER, name, why, gathers[name]))
+
+    def free_after_forward(g) -> None:
+        gathered.discard(g.name)
+        if g.name in post:
+            resharded.add(g.name)
+            ops.append(Op(FREE, g.name, f"keep a {post[g.name][0]}-rank shard"))
+        else:
+            ops.append(Op(FREE, g.name))
 
     for g in plan.groups:
         ag(g.name, "")
         for p in plan.prefetch_after(g.name):
             ag(p, f"prefetch, while {label(g.name)} computes")
         if g.reshard_after_forward and not g.is_root and g.name not in empty:
-            gathered.discard(g.name)
-            ops.append(Op(FREE, g.name))
+            free_after_forward(g)
     root = plan.groups[0]
     if root.reshard_after_forward:
-        gathered.discard(root.name)
-        ops.append(Op(FREE, root.name))
+        free_after_forward(root)
     ops.append(Op(BACKWARD))
     def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
         return "" if g.reshard_after_backward else "keep it gathered (reshard_after_backward=False)"
@@ -222,4 +275,7 @@ def _build(plan: Plan) -> Schedule:
                 gathered.discard(g.name)
     if root.name not in empty:
         ops.append(Op(REDUCE_SCATTER, root.name, kept(root), reduces[root.name]))
-    return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups))
+    kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
+                 for g in plan.groups)
+    return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups),
+                    kept)

@@ -193,16 +193,20 @@ class ShardSpec:
         n = self.local_valid(rank)
         return local if n == local.shape[self.dim] else local.narrow(self.dim, 0, n)
 
-    def dtensor(self, local: torch.Tensor, mesh, placement=None):
-        """A DTensor of the global shape over ``local`` (no copy, no check): by default ``Shard(dim)`` over the
-        unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and checkpoints present it."""
-        from torch.distributed.tensor import DTensor, Shard
+    def dtensor(self, local: torch.Tensor, mesh, placements=None):
+        """A DTensor of the global shape over ``local`` (no copy, no check): by default sharded on ``dim`` over the
+        mesh's data-parallel axes (``_mesh.dp_placements``: ``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an
+        HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
+        checkpoints present it."""
+        from torch.distributed.tensor import DTensor
+
+        from funcshard._mesh import dp_placements  # (_mesh imports this module)
 
         shape = torch.Size(self.shape)
         stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
         with torch.no_grad():
-            return DTensor.from_local(local, mesh, (placement or Shard(self.dim),), run_check=False, shape=shape,
-                                      stride=stride)
+            return DTensor.from_local(local, mesh, placements or dp_placements(mesh, self.dim), run_check=False,
+                                      shape=shape, stride=stride)
 
     def boxes(self, rank: int) -> list[Box]:
         """The pieces of the parameter that rank ``rank`` holds, in global coordinates (none: only padding).

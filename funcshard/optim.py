@@ -556,8 +556,9 @@ def _resolve_group(mesh: Any) -> Any:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
-    if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # DeviceMesh
-        return mesh.get_group(mesh.ndim - 1)
+    if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # DeviceMesh: its shard axis (replicas hold the same)
+        from funcshard._mesh import shard_group
+        return shard_group(mesh)
     return mesh  # a ProcessGroup
 
 

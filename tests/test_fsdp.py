@@ -842,9 +842,8 @@ def _errors():
         "cpu_offload": lambda: funcshard.fully_shard(fresh, mesh=mesh, offload_policy=funcshard.CPUOffloadPolicy()),
         "cpu_offload_torch_policy": lambda: funcshard.fully_shard(
             fresh, mesh=mesh, offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False)),
-        "hsdp": lambda: funcshard.fully_shard(
-            fresh, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))),
-        "int_reshard": lambda: funcshard.fully_shard(fresh, mesh=mesh, reshard_after_forward=2),
+        "mesh_3d": lambda: funcshard.fully_shard(fresh, mesh=init_device_mesh("cpu", (1, 1, world))),
+        "int_reshard": lambda: funcshard.fully_shard(fresh, mesh=mesh, reshard_after_forward=3),
         "dp_mesh_dims": lambda: funcshard.fully_shard(  # (torch 2.13's class; a stand-in before it)
             fresh, mesh=mesh, dp_mesh_dims=getattr(torch_fsdp, "DataParallelMeshDims", _MeshDims)(shard="x")),
         "dtensor_params": lambda: funcshard.fully_shard(tp, mesh=mesh),
@@ -856,8 +855,7 @@ def _errors():
     for name, fn in {
         "custom_all_gather": lambda: wrapped.set_custom_all_gather(object()),
         "custom_reduce_scatter": lambda: wrapped.set_custom_reduce_scatter(object()),
-        "all_reduce_hook": lambda: wrapped.set_all_reduce_hook(lambda t: None),
-        "requires_all_reduce": lambda: wrapped.set_requires_all_reduce(False),
+        "all_reduce_hook_stream": lambda: wrapped.set_all_reduce_hook(lambda t: None, stream=object()),
         "int_reshard_setter": lambda: wrapped.set_reshard_after_forward(2),
     }.items():
         catch(name, fn)
@@ -886,14 +884,14 @@ ERRORS = {
                       r"torch.distributed.fsdp's\), got dict",
     "cpu_offload": r"NotImplementedError: CPU offload \(CPUOffloadPolicy\) is not built yet",
     "cpu_offload_torch_policy": r"NotImplementedError: CPU offload",
-    "hsdp": r"NotImplementedError: HSDP \(a 2-D \(replicate, shard\) mesh\) is not built yet",
-    "int_reshard": r"NotImplementedError: reshard_after_forward as an int .* is not built yet",
+    "mesh_3d": r"ValueError: fully_shard expects a 1-D \(FSDP\) or 2-D \(replicate, shard\) \(HSDP\) DeviceMesh",
+    "int_reshard": r"ValueError: fully_shard\(MLP\): reshard_after_forward=3 must be a bool or an int that divides the "
+                   r"shard axis size 2 .*; pick True or False",
     "dp_mesh_dims": r"NotImplementedError: dp_mesh_dims .* is not built yet",
     "dtensor_params": r"NotImplementedError: fully_shard on DTensor parameters \(FSDP \+ tensor parallel\)",
     "custom_all_gather": r"NotImplementedError: set_custom_all_gather is not built yet",
     "custom_reduce_scatter": r"NotImplementedError: set_custom_reduce_scatter is not built yet",
-    "all_reduce_hook": r"NotImplementedError: set_all_reduce_hook is not built yet",
-    "requires_all_reduce": r"NotImplementedError: set_requires_all_reduce\(False\) \(HSDP gradient all-reduce\)",
+    "all_reduce_hook_stream": r"NotImplementedError: set_all_reduce_hook\(stream=...\) is not built yet",
     "int_reshard_setter": r"ValueError: reshard_after_forward should be a bool",
 }
 

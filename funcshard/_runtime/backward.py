@@ -43,7 +43,8 @@ class ReduceQueue(Part):
         step.frozen.grads_done(name)
         self.finish()
         with no_functorch():
-            pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name))
+            pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
+                                           step.replicate_pg)
         if LISTENERS:
             emit("reduce-scatter issued", name, pending)
         return pending
@@ -58,17 +59,20 @@ class ReduceQueue(Part):
         self.item = None
         if LISTENERS:
             emit("reduce-scatter wait", name, pending)
+        options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
         with no_functorch():
-            shards = pending.finish(factor)
+            shards = pending.finish(factor, **options)
         if LISTENERS:
             emit("reduce-scatter done", name, pending)
         return name, shards, sink, extra
 
     def finish(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and deliver its shards."""
+        """Wait for the reduce-scatter in flight, if any, and deliver its shards (none when the sink keeps its sums
+        without an all-reduce: ``reduce_options``)."""
         if (taken := self._take()) is not None:
             name, shards, sink, extra = taken
-            sink.deliver(name, shards, extra)
+            if shards is not None:
+                sink.deliver(name, shards, extra)
 
     def finish_if(self, name: str, extra: Any) -> None:
         if self.item is not None and self.item[0] == name and self.item[4] == extra:

@@ -1,5 +1,8 @@
 """One group's unsharded parameters as raw buffers, and their states: SHARDED -> GATHERING -> GATHERED -> SHARDED.
 
+A group resharded to ``k`` ranks after forward (int ``reshard_after_forward``) is SHARDED holding its post-forward
+shards (``post``): its next gather runs over its block of ``k`` ranks from them (``start_regather``).
+
 The buffers (``Buckets.new_buffers``: one padded tensor per parameter, or the flat layout's one per dtype) are
 allocated once per step and freed and refilled in place (``untyped_storage().resize_``), so that autograd's views
 of them stay valid across a reshard, under ``torch.func`` too. Owned invariant: nothing is freed while a collective
@@ -13,7 +16,17 @@ import enum
 
 import torch
 
-from funcshard._collectives import Buckets, free_buffers, no_functorch, no_grad, start_gather, unwrapped
+from funcshard._collectives import (
+    Buckets,
+    PendingRegather,
+    free_buffers,
+    no_functorch,
+    no_grad,
+    post_forward_shards,
+    start_gather,
+    start_regather,
+    unwrapped,
+)
 from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._plan import Group
 from funcshard._runtime.observe import LISTENERS, emit
@@ -29,7 +42,7 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable")
+                 "pending", "versions", "frozen", "trainable", "post")
 
     def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
         self.group = group
@@ -49,6 +62,7 @@ class GroupBuffers:
         self.status = Status.SHARDED
         self.pending = None  # PendingGather while GATHERING
         self.versions = None  # flat layout: autograd's version counters held while the collective writes
+        self.post: tuple | None = None  # (post-forward shards, process group, rank in it, k) while resharded to k
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +74,12 @@ class GroupBuffers:
             return
         if not self.shards:  # e.g. a root group when every parameter is in a child group
             self.bases, self.status = [], Status.GATHERED
+            return
+        if self.post is not None:  # resharded to k ranks after forward: gather from them, over them
+            (post, group, rank, k), self.post = self.post, None
+            with no_functorch():
+                self.pending = start_regather(self.layout, post, group, rank, k)
+            self.status = Status.GATHERING
             return
         with no_functorch(), no_grad():
             flat = self.flat_shards
@@ -96,13 +116,15 @@ class GroupBuffers:
             emit("all-gather wait", self.group.name, self)
         with no_functorch(), no_grad():
             fresh = self.bases is None  # new buffers: nothing can have saved them yet
-            if not self.layout.flat:
+            regather = isinstance(self.pending, PendingRegather)
+            if not self.layout.flat or regather:
                 self.allocate()
+            targets = self.bases if regather else self.copy_to
             if fresh:
-                self.pending.finish(self.copy_to)
+                self.pending.finish(targets)
             else:  # refilling tensors autograd saved for backward: their version must not change
                 with preserve_versions(self.bases):
-                    self.pending.finish(self.copy_to)
+                    self.pending.finish(targets)
             if self.versions is not None:
                 self.versions.__exit__(None, None, None)
                 self.versions = None
@@ -112,7 +134,9 @@ class GroupBuffers:
             emit("gathered", self.group.name, self)
 
     def free(self) -> None:
-        """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight."""
+        """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight. Drops
+        post-forward shards."""
+        self.post = None
         if self.status is Status.SHARDED:
             return
         self.wait()  # never free memory a collective still writes to
@@ -121,6 +145,17 @@ class GroupBuffers:
         self.status = Status.SHARDED
         if LISTENERS:
             emit("freed", self.group.name, self)
+
+    def reshard_to(self, group, rank: int, k: int) -> None:
+        """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free
+        the buffers; the next gather runs over ``group``, the block of ``k`` ranks."""
+        if self.status is Status.SHARDED:
+            return
+        self.wait()
+        with no_functorch():
+            post = post_forward_shards(self.layout, self.bases, rank, k)
+        self.free()
+        self.post = (post, group, rank, k)
 
     def views(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameters as views of the buffers (no autograd history)."""

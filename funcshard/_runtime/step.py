@@ -71,8 +71,8 @@ class Step:
     def __init__(self, plan: Plan, state: dict[str, torch.Tensor], *, sink: Any = None,
                  recompute_nested: bool = False):
         self.plan = plan
-        self.pg = plan.mesh.get_group(plan.shard_axis)
-        self.rank = plan.mesh.get_local_rank(plan.shard_axis)
+        self.pg, self.rank = plan.shard_group()
+        self.replicate_pg = plan.replicate_group()  # HSDP: gradients all-reduced over it after the reduce-scatter
         self.state = state
         self.sink = sink
         self.recompute_nested = recompute_nested
@@ -110,6 +110,18 @@ class Step:
         """Free the group's unsharded parameters (the module never keeps views of freed storage)."""
         self.binding.swap_out(name)
         self.groups[name].free()
+
+    def reshard_after_forward(self, name: str) -> None:
+        """Free the group after forward if its plan says so, or keep it sharded over fewer ranks (an int
+        ``reshard_after_forward``: its next gather runs within that block)."""
+        group = self.groups[name].group
+        k = self.plan.post_forward_world(group)
+        if k is None:
+            if group.reshard_after_forward:
+                self.reshard(name)
+            return
+        self.binding.swap_out(name)
+        self.groups[name].reshard_to(*self.plan.post_forward_group(k), k)
 
     def free_after_backward(self, name: str) -> None:
         if self.groups[name].group.reshard_after_backward:
@@ -251,8 +263,7 @@ class Step:
     def post_forward(self, name: str, output: Any) -> Any:
         self.swap_out(name)
         self.nodes.loosen(name)
-        if self.groups[name].group.reshard_after_forward:
-            self.reshard(name)
+        self.reshard_after_forward(name)
         return self.wrap_for_backward(name, output)
 
     def end_forward(self) -> None:
@@ -260,8 +271,7 @@ class Step:
         self.in_forward = False
         for name in self.tracker.unfinished():
             self.swap_out(name)
-            if self.groups[name].group.reshard_after_forward:
-                self.reshard(name)
+            self.reshard_after_forward(name)
         for name in self.prefetcher.unused():
             if self.groups[name].group.reshard_after_forward:
                 self.reshard(name)
@@ -415,8 +425,7 @@ class Step:
                 self.swap_out(name)
                 self.binding.rest(name, None)
                 self.nodes.loosen(name)
-        if plan.groups[0].reshard_after_forward:
-            self.reshard(ROOT)
+        self.reshard_after_forward(ROOT)
         self.end_forward()
         if plan.order_differs(self.prefetcher.order):
             _warn_order(plan, facts, self.prefetcher.order)

@@ -18,8 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
-from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of
-from funcshard._policy import MixedPrecisionPolicy, OffloadPolicy, cast_floating, check_mp_policy
+from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of, dp_axes
+from funcshard._policy import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    cast_floating,
+    check_mp_policy,
+    resolve_reshard_after_forward,
+)
 from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
@@ -35,18 +41,15 @@ def _not_built(what: str, instead: str) -> NotImplementedError:
 
 def _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims) -> None:
     if dp_mesh_dims is not None:
-        raise _not_built("dp_mesh_dims (DTensor parameters on a full SPMD mesh)", "pass a 1-D data-parallel mesh")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        if isinstance(reshard_after_forward, int):
-            raise _not_built("reshard_after_forward as an int (reshard to a smaller group after forward, "
-                             "ZeRO++ hpZ)", "pass True, False or None")
-        raise ValueError(f"reshard_after_forward should be a bool or None, not {reshard_after_forward!r}")
+        raise _not_built("dp_mesh_dims (DTensor parameters on a full SPMD mesh)",
+                         "pass the data-parallel sub-mesh, e.g. mesh['dp'] or mesh[('replicate', 'shard')]")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}")
     if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
         raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
-    if mesh.ndim == 2:
-        raise _not_built("HSDP (a 2-D (replicate, shard) mesh)", "pass a 1-D mesh, e.g. mesh['shard']")
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard expects a 1-D DeviceMesh but got {mesh}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1-D (FSDP) or 2-D (replicate, shard) (HSDP) DeviceMesh but got "
+                         f"{mesh}; pass the data-parallel sub-mesh, e.g. mesh[('replicate', 'shard')]")
 
 
 # ---- module hooks -------------------------------------------------------------------------------------
@@ -229,6 +232,7 @@ class FSDPModule:
         ctx.step, ctx.fwd_root, ctx.fresh = None, None, None
         for u in ctx.units:
             u.acc.clear()
+            u.partial.clear()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients without reduce-scatter (FSDP1's ``no_sync``);
@@ -288,10 +292,23 @@ class FSDPModule:
         """Accepted: funcshard always reduce-scatters with SUM, then divides once."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """True is the only behaviour of a 1-D mesh; False (skip HSDP's all-reduce) is not built."""
-        if not requires_all_reduce:
-            raise _not_built("set_requires_all_reduce(False) (HSDP gradient all-reduce)",
-                             "a 1-D mesh has no all-reduce to skip")
+        """HSDP: False reduce-scatters gradients but keeps the sums (no all-reduce over the replicate axis, nothing
+        in ``.grad``); the next backward with True adds them before its all-reduce (gradient accumulation with only
+        reduce-scatter). A 1-D mesh has no all-reduce: no effect there (as in FSDP2)."""
+        self._set(recurse, all_reduce=bool(requires_all_reduce))
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """``hook(output)`` runs on each reduced gradient buffer of this module's group, in the reduce dtype, after
+        the HSDP all-reduce (1-D: after the reduce-scatter), with what FSDP2's hook sees there (averaged for fp32 and
+        bf16), before the cast back to the parameters' dtype. ``stream``: refused with HSDP, as in FSDP2; on a 1-D
+        mesh, not built (the hook runs on the current stream)."""
+        unit = unit_of(self)
+        if stream is not None:
+            if unit.mesh.ndim == 2:
+                raise ValueError("stream cannot be set when using native HSDP")
+            raise _not_built("set_all_reduce_hook(stream=...)", "leave stream=None: the hook runs on the current "
+                             "stream after the reduce-scatter")
+        self._set(False, all_reduce_hook=hook)
 
     def _get_fsdp_state(self) -> FSDPState:
         """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
@@ -309,7 +326,7 @@ def _unbuilt_method(self, *args: Any, _name: str, **kwargs: Any) -> None:
                      "and dtype, on the mesh's process group, with buffers from the caching allocator")
 
 
-for _name in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
               "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
               "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
     setattr(FSDPModule, _name, functools.partialmethod(_unbuilt_method, _name=_name))
@@ -332,11 +349,13 @@ def fully_shard(
     """Shard ``module``'s parameters over ``mesh`` like ``torch.distributed.fsdp.fully_shard`` (same
     signature and semantics; apply bottom-up: blocks, then the root). A list of modules forms one unit.
 
-    Parameters become DTensor ``nn.Parameter``s (``Shard(dim)``; ``shard_placement_fn(param) -> Shard | None``
-    picks the dim; uneven sizes are padded, on any dim). ``reshard_after_forward``: True frees the unsharded
-    parameters after forward, False keeps them for backward, None means True except for the root. Not built
-    (NotImplementedError): mixed precision, CPU offload, HSDP / 2-D meshes, int ``reshard_after_forward``,
-    ``dp_mesh_dims``. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    ``mesh``: 1-D, or 2-D ``(replicate, shard)`` (HSDP: sharded over axis 1, gradients reduce-scattered over it and
+    all-reduced over axis 0). Parameters become DTensor ``nn.Parameter``s (``Shard(dim)``, HSDP ``(Replicate(),
+    Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
+    ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
+    means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
+    ``k`` ranks until backward. Not built (NotImplementedError): CPU offload, ``dp_mesh_dims`` and DTensor
+    (tensor-parallel) parameters. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -351,8 +370,12 @@ def fully_shard(
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
     device = device_of(mesh)
     check_mesh(mesh)
+    axes = dp_axes(mesh)  # (1-D: shard over it; 2-D: (replicate, shard), HSDP)
+    world, rank = mesh.size(axes.shard), mesh.get_local_rank(axes.shard)
+    if reshard_after_forward is not None:
+        reshard_after_forward = resolve_reshard_after_forward(
+            reshard_after_forward, world, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
     managed, nested, params = _collect(modules, set(ignored_params or ()))
-    world, rank = mesh.size(), mesh.get_local_rank()
     records = []
     for path, p in params:
         placement = shard_placement_fn(p) if shard_placement_fn is not None else None
@@ -365,7 +388,7 @@ def fully_shard(
             raise FullyShardError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape "
                                   f"{tuple(p.shape)}; pick a dim in [{lo}, {hi}] (FSDP2: Shard dim {dim} is invalid "
                                   f"for {p.dim()}D tensor)")
-        spec = make_spec(path, p, dim, axis=0, world=world)
+        spec = make_spec(path, p, dim, axis=axes.shard, world=world)
         full = p.detach() if p.is_meta else p.detach().to(device)
         records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
     # nothing above changed the modules; from here on, register

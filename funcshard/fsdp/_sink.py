@@ -85,6 +85,15 @@ class GradSink:
                 grads[i] = unit.acc.pop(p) if grads[i] is None else unit.acc.pop(p).add_(grads[i])
         return grads, [g is not None for g in grads]
 
+    def reduce_options(self, name: str) -> dict:
+        """How the runtime finishes a group's reduce (``PendingReduce.finish``): HSDP's all-reduce or not
+        (``set_requires_all_reduce``; the sums kept without it, in the unit), the all-reduce hook."""
+        unit = self.ctx.by_group[name]
+        out = {} if unit.all_reduce and not unit.partial else {"all_reduce": unit.all_reduce, "partial": unit.partial}
+        if unit.all_reduce_hook is not None:
+            out["hook"] = unit.all_reduce_hook
+        return out
+
     def deliver(self, name: str, shards: list, had: list[bool]) -> None:
         """Accumulate a group's reduce-scattered shards into its parameters' DTensor ``.grad``."""
         reduce_unused, recs = self.ctx.by_group[name].reduce_unused, self.ctx.recs

@@ -41,6 +41,9 @@ class _Unit:
         self.forward_prefetch: list[_Unit] | None = None
         self.backward_prefetch: list[_Unit] | None = None
         self.acc: dict[str, torch.Tensor] = {}  # unsharded gradients accumulated without sync, by path
+        self.all_reduce = True  # HSDP: all-reduce after the reduce-scatter (False: keep the sums in `partial`)
+        self.partial: dict = {}  # HSDP sums reduce-scattered without all-reduce, by dtype, until the next all-reduce
+        self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: run on the reduced output before the cast back
 
     def name(self) -> str:
         names = [cls_name(m) for m in self.modules]
