@@ -108,11 +108,18 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         return output
     step, name = ctx.step, unit.group
     if name is not None:
+        in_forward = step.in_forward
         output = step.module_post_forward(name, module, output)
+        if in_forward and not step.tracker.is_open(name):
+            # a group left gathered after its forward (reshard_after_forward=False; the root by default) shows its
+            # unsharded parameters on the module until it is resharded, as FSDP2 registers them
+            step.register_unsharded(name)
     elif unit.mp_policy.output_dtype is not None:  # (a unit without parameters: its policy's cast, as in FSDP2)
         output = cast_floating(unit.mp_policy.output_dtype, output)
     if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
         ctx.end_forward()  # (a grouped unit's members not run in it are finished: ``Step.end_forward``)
+        for g in step.groups:  # (those finished there and left gathered: registered as above)
+            step.register_unsharded(g)
     return output
 
 
