@@ -5,12 +5,14 @@ the states under a root, module and parameter paths, lazy initialization), and t
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 import funcshard
 from models import MLP, Block
 from multirank import run_ranks
-from test_fsdp import _mesh
+from test_fsdp import _local, _mesh
 
 
 def _two_mlps():
@@ -103,3 +105,45 @@ def test_fully_shard_input_errors_are_value_and_assertion_errors():
     assert out["twice"][0] and "Each distinct composable distributed API can only be applied to a module once." in (
         out["twice"][1])
     assert out["bad_dim"][0] and "Shard dim 1 is invalid for 1D tensor" in out["bad_dim"][1]
+
+
+class _NormModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _replaced_before_first_forward(fs):
+    """Built on meta, sharded, materialised with ``to_empty``, then a parameter replaced by one computed from the
+    sharded ones (a DTensor): the first forward takes the new parameter (FSDP2 resets it at lazy init)."""
+    with torch.device("meta"):
+        model = _NormModel()
+    fs.fully_shard(model.layer1, mesh=_mesh())
+    fs.fully_shard(model.layer2, mesh=_mesh())
+    fs.fully_shard(model, mesh=_mesh())
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in (model.layer1.weight, model.layer2.weight):
+            p.to_local().copy_(torch.randn(p.to_local().shape))
+        model.weight_norm = nn.Parameter(torch.linalg.norm(model.layer1.weight, dim=1)
+                                         + torch.linalg.norm(model.layer2.weight, dim=1))
+    loss = model(torch.ones(3, 3))
+    loss.backward()
+    return loss.item(), [_local(p.grad) for p in model.parameters()]
+
+
+def _replaced_both():
+    return _replaced_before_first_forward(torch_fsdp), _replaced_before_first_forward(funcshard)
+
+
+def test_parameter_replaced_before_the_first_forward_is_resharded():
+    for (ref_loss, ref_grads), (loss, grads) in run_ranks(2, _replaced_both):
+        assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(ref_grads, grads))

@@ -48,8 +48,9 @@ def _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims) ->
     if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
         raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1-D (FSDP) or 2-D (replicate, shard) (HSDP) DeviceMesh but got "
-                         f"{mesh}; pass the data-parallel sub-mesh, e.g. mesh[('replicate', 'shard')]")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a 2-D "
+                         f"(replicate, shard) mesh (HSDP); pass the data-parallel sub-mesh, e.g. "
+                         f"mesh[('replicate', 'shard')]")
 
 
 # ---- module hooks -------------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ def ctx_of(unit: _Unit) -> _Context:
     top = unit
     while top.parent is not None:
         top = top.parent
+    from funcshard.fsdp._api import _resync  # (_api imports this module)
+
+    for m in top.modules[0].modules():  # parameters replaced since fully_shard (FSDP2 resets them at lazy init)
+        if (u := m.__dict__.get(UNIT)) is not None:
+            _resync(u)
     return _Context(top)
 
 
