@@ -884,7 +884,8 @@ ERRORS = {
                       r"torch.distributed.fsdp's\), got dict",
     "cpu_offload": r"NotImplementedError: CPU offload \(CPUOffloadPolicy\) is not built yet",
     "cpu_offload_torch_policy": r"NotImplementedError: CPU offload",
-    "mesh_3d": r"ValueError: fully_shard expects a 1-D \(FSDP\) or 2-D \(replicate, shard\) \(HSDP\) DeviceMesh",
+    "mesh_3d": r"ValueError: fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*: a 1-D mesh \(FSDP\) or a "
+               r"2-D \(replicate, shard\) mesh \(HSDP\)",
     "int_reshard": r"ValueError: fully_shard\(MLP\): reshard_after_forward=3 must be a bool or an int that divides the "
                    r"shard axis size 2 .*; pick True or False",
     "dp_mesh_dims": r"NotImplementedError: dp_mesh_dims .* is not built yet",
