@@ -10,11 +10,16 @@ layout) loads at another, and checkpoints cross-load with FSDP2 + ``torch.optim.
 ``model.<path>`` (tied parameters under every name, as ``get_model_state_dict``), ``optim.state.<path>.exp_avg`` /
 ``exp_avg_sq`` / ``momentum_buffer`` / ``step`` and, when ``tx`` says what torch optimizer it is,
 ``optim.param_groups``.
+
+Saves commit by a rename once every rank has written (``_checkpoint_commit``: a save killed half-way leaves the previous
+checkpoint in place); ``async_save`` copies the state and writes in the background. ``init_state`` / ``init_module``
+initialise sharded parameters from a meta-device model one module at a time (``_checkpoint_init``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -25,11 +30,11 @@ from funcshard._checkpoint_safetensors import Reader, Writer
 from funcshard._collectives import gather_tangents
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
-from funcshard._plan import Plan
+from funcshard._plan import Plan, module_params
 from funcshard._shard import _fail, check_state
 from funcshard._spec import ShardingError
 
-__all__ = ["MODEL", "OPTIM", "export_full", "import_full", "load", "save", "state_dict"]
+__all__ = ["MODEL", "OPTIM", "async_save", "export_full", "import_full", "init_module", "init_state", "load", "save", "state_dict"]
 
 MODEL, OPTIM = "model", "optim"
 
@@ -94,10 +99,20 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
     ``get_optimizer_state_dict`` asks for on load.
     """
+    return _state_dict(plan, state, opt_state, tx)
+
+
+def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, tx: Any,
+                copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+    """``state_dict``, each tensor first passed through ``copy`` (``async_save``'s snapshot) when given."""
     check_state(plan, state)
+    take = copy or (lambda t: t)
     rank, mesh, specs = _rank(plan), plan.mesh, plan.specs
-    model = {a: present(s, state[k], mesh, rank) for k, s in specs.items() for a in s.aliases}
-    model.update(_buffers(plan))
+    model = {}
+    for k, s in specs.items():
+        local = take(state[k])
+        model.update((a, present(s, local, mesh, rank)) for a in s.aliases)
+    model.update((k, take(b)) for k, b in _buffers(plan).items())
     out: dict[str, Any] = {MODEL: model}
     if opt_state is not None:
         trees, step = _per_param(plan, opt_state)
@@ -106,7 +121,7 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
             tree = getattr(part, field)
             check_state(plan, tree, what=f"optimizer state {field}")
             for k, s in specs.items():
-                per[k][name] = present(s, tree[k], mesh, rank)
+                per[k][name] = present(s, take(tree[k]), mesh, rank)
         out[OPTIM] = {"state": per}
         group = getattr(tx, "torch_param_group", None)
         if group is not None:
@@ -114,15 +129,60 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     return out
 
 
+_pending: list[Future] = []  # the async save in flight on this process (at most one)
+_async_groups: dict[int, Any] = {}  # id(default process group) -> the gloo group async saves write over
+
+
+def _wait_pending() -> None:
+    while _pending:
+        _pending.pop().result()
+
+
 def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
          tx: optim.GradientTransformation | None = None, **dcp_kwargs: Any) -> None:
-    """Write ``state`` (and ``opt_state``) to ``checkpoint_id`` with ``torch.distributed.checkpoint``; every rank
-    of the plan's mesh calls it. Extra keyword arguments go to ``dcp.save``. (Not built: ``dcp.async_save``, whose
-    staging copies the DTensors without the protocol the flat layout's pieces need, and a save that keeps the
-    previous checkpoint loadable when a rank dies mid-write: write each checkpoint to a new directory.)"""
+    """Write ``state`` (and ``opt_state``) to the directory ``checkpoint_id`` with ``torch.distributed.checkpoint``;
+    every rank of the plan's mesh calls it. Extra keyword arguments go to ``dcp.save``.
+
+    Safe: the files go to ``<checkpoint_id>.saving`` and replace ``checkpoint_id`` only once every rank's are
+    written (a rename by rank 0), so a save interrupted half-way (a rank killed mid-write) leaves the previous
+    checkpoint at ``checkpoint_id`` as it was; :func:`load` refuses an uncommitted directory. Waits for an
+    :func:`async_save` still in flight first.
+    """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state_dict(plan, state, opt_state, tx=tx), checkpoint_id=checkpoint_id, **dcp_kwargs)
+    from funcshard._checkpoint_commit import CommittingWriter
+
+    _wait_pending()
+    dcp.save(state_dict(plan, state, opt_state, tx=tx), storage_writer=CommittingWriter(checkpoint_id), **dcp_kwargs)
+
+
+def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
+               tx: optim.GradientTransformation | None = None) -> Future:
+    """:func:`save` in the background (``dcp.async_save``): returns once this rank's shards, moments and buffers are
+    copied (training may change them at once); the write and the commit run in a thread, over a gloo process group
+    of their own, overlapping the next steps. Returns a ``concurrent.futures.Future`` whose ``result()`` returns once
+    the checkpoint is committed on every rank (and raises what the write raised). The checkpoint is the one
+    :func:`save` writes of the same state, in either layout. At most one is in flight: a second ``async_save`` (or a
+    ``save``) first waits for it. Memory: a copy of the rank's state and optimizer state, on their device, until
+    the write ends.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from funcshard._checkpoint_commit import CommittingWriter, Staged
+
+    _wait_pending()
+    with torch.no_grad():  # the snapshot (DCP's own stager copies each DTensor without the pieces' protocol)
+        sd = _state_dict(plan, state, opt_state, tx, copy=lambda t: t.detach().clone())
+    world = dist.group.WORLD
+    pg = _async_groups.get(id(world))
+    if pg is None:  # DCP's collectives in the writing thread must not share a group with the training's
+        _async_groups.clear()
+        pg = _async_groups[id(world)] = dist.new_group(backend="gloo")
+    future = dcp.async_save(sd, storage_writer=CommittingWriter(checkpoint_id), process_group=pg,
+                            async_stager=Staged())
+    _pending.append(future)
+    return future
 
 
 def _expect(problems: list[str], md: dict, key: str, shape: tuple, dtype: torch.dtype) -> None:
@@ -145,10 +205,14 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
     checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``). The checkpoint is checked
     against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
-    every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check).
+    every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check). A
+    directory whose save did not commit (``<path>.saving``, or one without DCP's ``.metadata``) is refused.
     """
     import torch.distributed.checkpoint as dcp
 
+    from funcshard._checkpoint_commit import check_committed
+
+    check_committed(checkpoint_id)
     reader = dcp.FileSystemReader(checkpoint_id)
     md = reader.read_metadata().state_dict_metadata
     specs, rank, mesh, device = plan.specs, _rank(plan), plan.mesh, device_of(plan.mesh)
@@ -299,3 +363,95 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
         reader.close()
     mark(plan.specs.values(), state.values())
     return state
+
+
+# ---- sharded initialisation: one module materialised at a time -------------------------------------------------
+
+
+def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None, *, seed: int | None = None,
+               order: str = "modules") -> dict[str, torch.Tensor]:
+    """This rank's shards of freshly initialised parameters, without the full model anywhere: the planned module may
+    live on the meta device (its parameters are neither read nor changed).
+
+    Bit-equal to sharding (``funcshard.shard``) the full model initialised on one process by::
+
+        torch.manual_seed(seed)          # seed=None: the global RNG as it is (checked to be equal on every rank)
+        for m in model.modules():        # order="apply": the order of model.apply(init) (children first)
+            init(m)                      # init=None: m.reset_parameters() where m defines one
+
+    Every rank runs that loop, one module at a time: before each call the module's own parameters (``recurse=False``)
+    are full tensors on the mesh's device (a parameter tied to an earlier one: its current value, all-gathered),
+    after it the rank keeps its shards. Peak memory: the sharded state plus one module's full parameters. ``init``
+    must initialise only the module it is given (a parent initialising its children's parameters raises). With
+    ``seed``, the caller's RNG is left untouched. Meta buffers become zeros on the mesh's device unless the init sets
+    them (compute non-persistent tables, e.g. RoPE's, in your init).
+    """
+    from funcshard._checkpoint_init import check_default_init, gather_one, modules_in_order, rng, run
+
+    mods = modules_in_order(plan.module, order)
+    if init is None:
+        check_default_init(mods)
+    specs, device = plan.specs, device_of(plan.mesh)
+    pg, rank = plan.shard_group()
+    key_of = {id(p): k for k, p in module_params(plan).items()}
+    state: dict[str, torch.Tensor] = {}
+
+    def make(p):
+        spec = specs[key_of[id(p)]]
+        if spec.fqn in state:  # tied to a parameter an earlier init set: the next init may read it
+            return gather_one(spec, state[spec.fqn], pg)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+    def keep(p, full):
+        spec = specs[key_of[id(p)]]
+        state[spec.fqn] = spec.local_shard(full, rank)
+
+    with rng(seed, device, [plan.mesh.get_group(a) for a in range(plan.mesh.ndim)]):
+        run(mods, init, device, make, keep)
+    out = {k: state[k] for k in specs}
+    mark(specs.values(), out.values())
+    return out
+
+
+def init_module(module: torch.nn.Module, init: Callable[[torch.nn.Module], None] | None = None, *,
+                seed: int | None = None, order: str = "modules") -> None:
+    """:func:`init_state` for a module whose parameters are DTensors (``funcshard.fully_shard`` or torch's
+    ``fully_shard`` applied on the meta device, then ``module.to_empty(device=...)``): each DTensor parameter's local
+    shard is set, in place, to its piece of the full parameter the reference loop (see :func:`init_state`) gives;
+    one module's full parameters exist at a time. Plain parameters are initialised in place by the same calls."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from funcshard._checkpoint_init import check_default_init, modules_in_order, rng, run
+    from funcshard._compat import dtensor_local
+
+    mods = modules_in_order(module, order)
+    if init is None:
+        check_default_init(mods)
+    named = list(module.named_parameters())
+    sharded = [p for _, p in named if isinstance(p, DTensor)]
+    meta = [n for n, p in named if (dtensor_local(p) if isinstance(p, DTensor) else p).is_meta]
+    if not sharded or meta:
+        raise ShardingError(
+            f"init_module initialises DTensor parameters in place: {type(module).__name__} has "
+            + (f"parameters on the meta device ({meta[:4]}{' ...' if len(meta) > 4 else ''}): call "
+               f"module.to_empty(device=...) first (FSDP2's order: fully_shard on the meta device, to_empty, init)"
+               if meta else "no DTensor parameters: apply fully_shard first (for the functional state, "
+                            "funcshard.checkpoint.init_state(plan))"))
+    mesh, device = sharded[0].device_mesh, dtensor_local(sharded[0]).device
+    done: set[int] = set()
+
+    def make(p):
+        if not isinstance(p, DTensor):
+            return None  # a plain, real parameter: the init writes it in place
+        if id(p) in done:  # tied to a parameter an earlier init set
+            with torch.no_grad():
+                return p.full_tensor()
+        return torch.empty(p.shape, dtype=p.dtype, device=device)
+
+    def keep(p, full):
+        done.add(id(p))
+        with torch.no_grad():
+            dtensor_local(p).copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+    with rng(seed, device, [mesh.get_group(a) for a in range(mesh.ndim)]):
+        run(mods, init, device, make, keep)
