@@ -5,6 +5,8 @@ pinned (torch._dynamo.explain on one step)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,11 +69,13 @@ class Graphs:
         from torch._dynamo.backends.registry import lookup_backend
         from torch._dynamo.utils import counters
 
-        self.backend, self.ops, self.counters = lookup_backend(backend), [], counters
+        self.backend = lookup_backend(backend) if isinstance(backend, str) else backend
+        self.ops, self.counters = [], counters
         counters.clear()
 
     def __call__(self, gm, example_inputs):
         self.ops.append(sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes))
+        self.targets = getattr(self, "targets", []) + [str(n.target) for n in gm.graph.nodes]
         return self.backend(gm, example_inputs)
 
     def breaks(self):
@@ -179,3 +183,90 @@ def test_fully_shard_compiled():
             assert max((params[k] - snap[k]).abs().max().item() for k in snap) < 1e-5, key
             if key[1] != "eager":
                 assert (ops, breaks) == ADAPTER[key], (key, ops, breaks)
+
+
+def _traced(backend):
+    """traced_apply at W=2: eager, and the whole step (forward, torch.autograd.grad, collectives) compiled with
+    fullgraph=True, against apply under value_and_grad."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    plan = funcshard.plan(model, _mesh(), groups=(type(model.blocks[0]),))
+    state = funcshard.shard(plan)
+    ref = _train(funcshard.value_and_grad(lambda s, x, y: F.mse_loss(funcshard.apply(plan, s, x), y)), state)
+
+    def step(state, x, y):
+        loss = F.mse_loss(funcshard.traced_apply(plan, state, x), y)
+        return loss.detach(), dict(zip(state, torch.autograd.grad(loss, list(state.values()))))
+
+    flat = funcshard.plan(model, _mesh(), groups=(type(model.blocks[0]),), layout="flat")
+    with pytest.raises(NotImplementedError, match=r"traced_apply does not support layout='flat'"):
+        funcshard.traced_apply(flat, funcshard.shard(flat), _batch(0)[0])
+    leaves = {k: v.detach().requires_grad_() for k, v in state.items()}
+    eager = _train(step, leaves)
+    torch._dynamo.reset()
+    aot = []  # the graphs AOTAutograd hands to its compilers: what runs, the backward's collectives included
+    graphs = Graphs(_recording_aot(aot) if backend == "aot_eager" else backend)
+    saved = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.config.trace_autograd_ops = True  # (torch.autograd.grad inside the graph)
+    try:
+        compiled = _train(torch.compile(step, backend=graphs, fullgraph=True), leaves)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = saved
+        torch._dynamo.reset()
+    collectives = sorted(t.removesuffix(".default") for t in (aot or graphs.targets) if "c10d_functional" in t)
+    return ref, eager, compiled, graphs.ops, collectives
+
+
+def _recording_aot(out):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        out.extend(str(n.target) for n in gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def _close(a, b, tol=1e-5):
+    (al, ast), (bl, bst) = a, b
+    return max(abs(x - y) for x, y in zip(al, bl)) < tol and max((ast[k] - bst[k]).abs().max().item() for k in ast) < tol
+
+
+def _check_traced(backend):
+    for ref, eager, compiled, ops, collectives in run_ranks(2, _traced, backend, timeout=900):
+        assert _close(ref, eager) and _close(ref, compiled)
+        # one graph: the plan's 3 groups (root, blocks.0, blocks.1), one all-gather each; their transposes, one
+        # reduce-scatter each, are in the same graph (autograd.grad traced)
+        assert len(ops) == 1
+        assert collectives.count("_c10d_functional.all_gather_into_tensor") == 3, collectives
+        if backend == "aot_eager":  # (inductor's own graph: not recorded here)
+            assert collectives.count("_c10d_functional.reduce_scatter_tensor") == 3, collectives
+
+
+def test_traced_apply_one_graph():
+    """The fully traced mode: the whole step one graph (fullgraph=True) with the collectives in it; values and
+    gradients those of apply (aot_eager: the graph runs on eager kernels)."""
+    _check_traced("aot_eager")
+
+
+# inductor compiles C++ kernels: minutes on 2 cores, so these run only when asked for:
+#   FUNCSHARD_INDUCTOR=1 python -m pytest -q tests/test_compile.py -m inductor
+INDUCTOR = [pytest.mark.inductor,
+            pytest.mark.skipif(not os.environ.get("FUNCSHARD_INDUCTOR"), reason="set FUNCSHARD_INDUCTOR=1 (minutes)")]
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=INDUCTOR)])
+def test_traced_apply_inductor(_):
+    """The same under inductor (C++ kernels; gloo runs the functional collectives): minutes on 2 cores."""
+    _check_traced("inductor")
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=INDUCTOR)])
+def test_compiled_step_inductor(_):
+    for out in run_ranks(2, _compiled_steps, ["value_and_grad", "backward"], "inductor", timeout=900):
+        for kind, ((el, es), (cl, cs), ops, breaks, _) in out.items():
+            assert _close((el, es), (cl, cs)), kind
+            assert (ops, breaks) == EXPECTED[kind], kind
