@@ -63,30 +63,40 @@ def _check(plan: Plan) -> None:
                                   f"funcshard.apply for these")
 
 
+@torch.compiler.assume_constant_result  # (run at trace time: the plan is static data, no graph ops)
+def _buckets(plan: Plan) -> tuple:
+    """Per group and dtype: (divide factor, world, ((path, local numel, local shape, dim, padded shape), ...))."""
+    out = []
+    for g in plan.groups:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for p in g.params:
+            by_dtype.setdefault(plan.specs[p].dtype, []).append(p)
+        for names in by_dtype.values():
+            specs = [plan.specs[p] for p in names]
+            for s in specs:  # (computed here, read from the specs' own dicts while tracing: ShardSpec.unpad)
+                s.size, s.padding  # noqa: B018
+            out.append((plan.divide_factor_of(g), specs[0].world,
+                        tuple((s.fqn, s.local_numel, s.local_shape, s.dim, s.padded_shape) for s in specs)))
+    return tuple(out)
+
+
 def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full parameters (every alias of a tied one), gathered with one traceable all-gather per group and dtype;
     differentiable: each shard's gradient is the reduce-scatter of the full gradient divided by the group's factor."""
     pg = plan.mesh.get_group(plan.shard_axis)
     out: dict[str, torch.Tensor] = {}
-    for g in plan.groups:
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for p in g.params:
-            by_dtype.setdefault(plan.specs[p].dtype, []).append(p)
-        factor = plan.divide_factor_of(g)
-        for names in by_dtype.values():
-            specs = [plan.specs[p] for p in names]
-            flat = torch.cat([state[p].reshape(-1) for p in names])
-            flat = _DivideGrad.apply(flat, factor)
-            full = all_gather_autograd(flat, 0, pg).view(specs[0].world, -1)  # rank-major
-            k = 0
-            for p, spec in zip(names, specs):
-                n = spec.local_numel
-                piece = full[:, k : k + n].reshape(spec.world, *spec.local_shape)  # (W, *local_shape)
-                k += n
-                padded = piece.movedim(0, spec.dim).reshape(spec.padded_shape)
-                param = spec.unpad(padded)
-                for alias in spec.aliases:
-                    out[alias] = param
+    for factor, world, params in _buckets(plan):
+        flat = torch.cat([state[p].reshape(-1) for p, *_ in params])
+        flat = _DivideGrad.apply(flat, factor)
+        full = all_gather_autograd(flat, 0, pg).view(world, -1)  # rank-major
+        k = 0
+        for p, n, local_shape, dim, padded_shape in params:
+            piece = full[:, k : k + n].reshape(world, *local_shape)  # (W, *local_shape): every rank's shard
+            k += n
+            spec = plan.specs[p]
+            param = spec.unpad(piece.movedim(0, dim).reshape(padded_shape))
+            for alias in spec.aliases:
+                out[alias] = param
     return out
 
 

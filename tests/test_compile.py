@@ -124,10 +124,19 @@ EXPECTED = {
     "value_and_grad": ([4, 1], {"_prepare": 1, "_enter": 3, "_differentiate": 1, "pre_hook": 3}),
     # (torch 2.11's dynamo offers one more frame inside the transform, and refuses it too)
     "torch.func": ([], {"_enter": 2, "Unsupported functorch tracing attempt": 5 if torch.__version__ < "2.12" else 4}),
-    # (the last three: the test's own dict comprehension making requires_grad leaves inside the compiled step)
-    "backward": ([4, 1], {"_enter": 3, "pre_hook": 3, "requires_grad_() intermediate leaked as output": 1,
-                          "Reconstruction failure": 1, "Attempt to trace generator": 1}),
+    "backward": ([4, 1], {"_enter": 3, "pre_hook": 3}),
 }
+
+
+# the breaks pinned: funcshard's (runtime_boundary functions) and torch refusing frames inside a torch.func transform;
+# others come from the test's own step (e.g. its dict comprehension making requires_grad leaves: torch-version and
+# backend dependent)
+PINNED = {"_enter", "_exit", "_failed", "_prepare", "_differentiate", "pre_hook", "post_hook", "_pre_forward",
+          "_post_forward", "disable", "Unsupported functorch tracing attempt"}
+
+
+def _pinned(breaks):
+    return {k: v for k, v in breaks.items() if k in PINNED}
 
 
 def test_compiled_step():
@@ -138,7 +147,7 @@ def test_compiled_step():
         for kind, ((el, es), (cl, cs), ops, breaks, _) in out.items():
             assert max(abs(a - b) for a, b in zip(el, cl)) < 1e-5, kind
             assert max((es[k] - cs[k]).abs().max().item() for k in es) < 1e-5, kind
-            assert (ops, breaks) == EXPECTED[kind], kind
+            assert (ops, _pinned(breaks)) == EXPECTED[kind], (kind, breaks)
 
 
 def _adapter(fs, mode, backend="aot_eager"):
@@ -182,7 +191,7 @@ def test_fully_shard_compiled():
             assert max(abs(a - b) for a, b in zip(numbers, ref)) < 1e-5, key
             assert max((params[k] - snap[k]).abs().max().item() for k in snap) < 1e-5, key
             if key[1] != "eager":
-                assert (ops, breaks) == ADAPTER[key], (key, ops, breaks)
+                assert (ops, _pinned(breaks)) == ADAPTER[key], (key, ops, breaks)
 
 
 def _traced(backend):
@@ -269,4 +278,4 @@ def test_compiled_step_inductor(_):
     for out in run_ranks(2, _compiled_steps, ["value_and_grad", "backward"], "inductor", timeout=900):
         for kind, ((el, es), (cl, cs), ops, breaks, _) in out.items():
             assert _close((el, es), (cl, cs)), kind
-            assert (ops, breaks) == EXPECTED[kind], kind
+            assert (ops, _pinned(breaks)) == EXPECTED[kind], (kind, breaks)
