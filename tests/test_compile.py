@@ -124,7 +124,8 @@ EXPECTED = {
     "value_and_grad": ([4, 1], {"_prepare": 1, "_enter": 3, "_differentiate": 1, "pre_hook": 3}),
     # (torch 2.11's dynamo offers one more frame inside the transform, and refuses it too)
     "torch.func": ([], {"_enter": 2, "Unsupported functorch tracing attempt": 5 if torch.__version__ < "2.12" else 4}),
-    "backward": ([4, 1], {"_enter": 3, "pre_hook": 3}),
+    # (torch 2.11 also compiles a one-op graph of the test step's own code after its loss.backward())
+    "backward": ([4, 1] if torch.__version__ >= "2.12" else [4, 1, 1], {"_enter": 3, "pre_hook": 3}),
 }
 
 
@@ -255,6 +256,12 @@ def _check_traced(backend):
             assert collectives.count("_c10d_functional.reduce_scatter_tensor") == 3, collectives
 
 
+# torch 2.11's dynamo cannot pass the (frozen dataclass) Plan to torch.compiler.assume_constant_result ("can't
+# reconstruct arbitrary frozen dataclass instances"): traced_apply runs eagerly there, but does not compile
+OLD_DYNAMO = pytest.mark.skipif(torch.__version__ < "2.12", reason="torch 2.11: traced_apply does not compile")
+
+
+@OLD_DYNAMO
 def test_traced_apply_one_graph():
     """The fully traced mode: the whole step one graph (fullgraph=True) with the collectives in it; values and
     gradients those of apply (aot_eager: the graph runs on eager kernels)."""
@@ -267,6 +274,7 @@ INDUCTOR = [pytest.mark.inductor,
             pytest.mark.skipif(not os.environ.get("FUNCSHARD_INDUCTOR"), reason="set FUNCSHARD_INDUCTOR=1 (minutes)")]
 
 
+@OLD_DYNAMO
 @pytest.mark.parametrize("_", [pytest.param(None, marks=INDUCTOR)])
 def test_traced_apply_inductor(_):
     """The same under inductor (C++ kernels; gloo runs the functional collectives): minutes on 2 cores."""
