@@ -14,6 +14,7 @@ from funcshard._grad import value_and_grad
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard
 from funcshard._spec import ShardingError, ShardSpec
+from funcshard._traced import traced_apply
 from funcshard.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -48,5 +49,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "shard",
     "trace",
+    "traced_apply",
     "value_and_grad",
 ]

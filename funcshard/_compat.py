@@ -119,7 +119,16 @@ def fake_store():
 all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
+# ---- traceable functional collectives (torch.distributed._functional_collectives), for the fully traced mode -----
+# torch 2.13 renamed all_gather_tensor_autograd -> all_gather_single_autograd (the old name warns outside compile);
+# 2.11 has only the old name. Differentiable: the all-gather's backward is a reduce-scatter (sum), and dynamo and
+# inductor put them in the graph as c10d_functional ops.
+import torch.distributed._functional_collectives as _funcol  # noqa: E402
+
+all_gather_autograd = getattr(_funcol, "all_gather_single_autograd", None) or _funcol.all_gather_tensor_autograd
+
 __all__ = [
+    "all_gather_autograd",
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",

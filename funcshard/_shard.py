@@ -18,6 +18,7 @@ from funcshard._collectives import (
 )
 from funcshard._checkpoint_dcp import mark
 from funcshard._compat import is_batchedtensor
+from funcshard._compile import runtime_boundary
 from funcshard._layout import expected_shards, full_layouts
 from funcshard._mesh import check_mesh, mesh_str
 from funcshard._plan import Plan, module_params
@@ -143,6 +144,7 @@ class _Gather(torch.autograd.Function):
         )
 
 
+@runtime_boundary  # (under torch.compile: a graph break; traced_apply's gather is the traceable one)
 def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The full parameters from the local shards, bit-identical to what was sharded.
 

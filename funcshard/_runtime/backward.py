@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._collectives import no_functorch, raw_grads, start_reduce_scatter
+from funcshard._compile import runtime_boundary
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
 from funcshard._tree import module_io_leaves
@@ -121,12 +122,14 @@ class FrozenRelease(Part):
         top = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if len(top) != len(inputs) or any(args[i].layout is not torch.strided or args[i].is_nested for i in top):
             # inside containers (not rebuilt: the module may fill them) or not aliasable (nested, sparse)
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: self._inputs_done(name), mode="all")
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, runtime_boundary(lambda _g: self._inputs_done(name)), mode="all")
             return None
         left = [len(top), len(top)]  # (to go, total): reset at the end of backward for a retained graph
         c.counters.append(left)
         ref = weakref.ref(self)
 
+        @runtime_boundary  # (autograd calls these hooks, under torch.compile too: see funcshard._compile)
         def done(_grad):
             left[0] -= 1
             if left[0] == 0 and (me := ref()) is not None:
@@ -180,7 +183,7 @@ class Recompute(Part):
                 inputs = grad_inputs(args)
                 if inputs:
                     torch.autograd.graph.register_multi_grad_hook(
-                        inputs, lambda _g, s=weakref.ref(step): (st := s()) and st.free_after_backward(name))
+                        inputs, runtime_boundary(lambda _g, s=weakref.ref(step): (st := s()) and st.free_after_backward(name)))
         else:  # the group's pre-backward gathered it
             step.wait(name)
             step.swap_in(name)

@@ -9,7 +9,8 @@
     backward.FrozenRelease  when a group with frozen parameters may be freed in backward
     backward.Recompute      activation-checkpoint recomputation inside backward
 
-The Step itself routes module hooks and autograd hooks to them, and ``run`` drives ``apply``'s forward.
+The Step itself routes module hooks and autograd hooks to them; ``open_forward`` / ``close_forward`` wrap
+``apply``'s call of the module.
 ``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``module_pre_forward`` /
 ``module_post_forward`` / ``end_forward``) and receives gradients through a sink.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from funcshard._collectives import no_functorch, raw_grads
+from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     TransformType,
     current_graph_task_id,
@@ -85,13 +87,14 @@ class Step:
         self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)
         self.reduce_queue, self.frozen, self.recompute = ReduceQueue(self), FrozenRelease(self), Recompute(self)
         self._pre_backward_hooks = {g.name: _pre_backward_hook(self, g.name) for g in plan.groups}
-        self.fused_on = False  # run(): one _StepGather for the step (under a torch.func grad transform)
+        self.fused_on = False  # open_forward(): one _StepGather for the step (under a torch.func grad transform)
         self.in_forward = False
         self.backward_started = False
         self.backward_task = -1
         self.graph = False  # a forward of this step recorded autograd history
         self.done = False  # a backward of this step completed
         self.hook_handles: list = []
+        self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
 
     # ---- the group lifecycle (every gather and free goes through these) ----------------------------------------
     def unshard(self, name: str) -> None:
@@ -365,6 +368,7 @@ class Step:
         pending = self.reduce_queue.start(name, grads)
         self.reduce_queue.defer(name, pending, self.divide_factor(name), sink, extra)
 
+    @runtime_boundary  # (autograd's end-of-backward callback, under torch.compile too)
     def end_of_backward(self) -> None:
         self.reduce_queue.finish()  # (apply: its shards are dropped when nobody asked for them in this backward)
         for name in self.groups:
@@ -378,7 +382,10 @@ class Step:
             _remove(self.hook_handles)  # (a reentrant recomputation runs them again in a later backward)
 
     # ---- apply's forward ----------------------------------------------------------------------------------------
-    def run(self, args: tuple, kwargs: dict) -> Any:
+    def open_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Hook the group modules, gather the root group onto the module; returns the module's (cast) inputs.
+        ``apply`` runs ``open_forward``, the module, then ``close_forward`` (or ``forward_failed``): three calls, so
+        that ``torch.compile`` can trace the module's forward between two runtime calls it does not look into."""
         plan, facts = self.plan, self.facts
         # The group modules' hooks live until the end of backward (or until the step is garbage collected, e.g.
         # when no backward comes): activation checkpointing recomputes forwards during backward, and a region
@@ -397,7 +404,7 @@ class Step:
                     old.end_of_backward()
                     old.relay.drop()  # and what its relays did not hand on
         facts.steps.add(self)
-        no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
+        self.no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends
         try:
             for g in plan.groups[1:]:
                 self.binding.rest(g.name, facts.placeholders[g.name])
@@ -412,23 +419,34 @@ class Step:
             root = plan.groups[0]
             if root.param_dtype is not None and root.cast_forward_inputs:
                 args, kwargs = cast_floating(root.param_dtype, (args, kwargs))
-            out = plan.module(*args, **kwargs)
         except BaseException:
-            _remove(handles)
+            self.forward_failed()
             raise
-        finally:
-            self.in_forward = False
-            self.relay.end_forward()
-            if no_backward:
-                _remove(handles)
-            for name in self.groups:
-                self.swap_out(name)
-                self.binding.rest(name, None)
-                self.nodes.loosen(name)
+        return args, kwargs
+
+    def forward_failed(self) -> None:
+        """The module's forward (or ``open_forward``) raised: unhook, put the module's parameters back."""
+        _remove(self.hook_handles)
+        self._leave_forward()
+
+    def _leave_forward(self) -> None:
+        self.in_forward = False
+        self.relay.end_forward()
+        if self.no_backward:
+            _remove(self.hook_handles)
+        for name in self.groups:
+            self.swap_out(name)
+            self.binding.rest(name, None)
+            self.nodes.loosen(name)
+
+    def close_forward(self, out: Any) -> Any:
+        """The module's forward returned ``out``: finish the forward, hook ``out`` for backward."""
+        plan = self.plan
+        self._leave_forward()
         self.reshard_after_forward(ROOT)
         self.end_forward()
         if plan.order_differs(self.prefetcher.order):
-            _warn_order(plan, facts, self.prefetcher.order)
+            _warn_order(plan, self.facts, self.prefetcher.order)
         out = self.wrap_for_backward(ROOT, out)
         dtype = plan.groups[0].output_dtype
         return out if dtype is None else cast_floating(dtype, out)
@@ -447,6 +465,7 @@ def _warn_order(plan: Plan, facts: _PlanFacts, order: list[str]) -> None:
     )
 
 
+@runtime_boundary  # (also weakref.finalize's callback: it may run at any allocation, inside compiled code too)
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
@@ -479,11 +498,11 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool =
             return grad.detach()
         return None  # the gradient passes unchanged
 
-    return hook
+    return runtime_boundary(hook)
 
 
 def _make_pre_hook(step: Step, name: str):
-    ref = weakref.ref(step)  # the hooks outlive run(); the module must not keep the step alive
+    ref = weakref.ref(step)  # the hooks outlive the forward; the module must not keep the step alive
 
     def pre_hook(module, args, *kwargs):
         step = ref()
@@ -494,7 +513,7 @@ def _make_pre_hook(step: Step, name: str):
             return None if new is None else new[0]
         return step.module_pre_forward(name, module, args, kwargs[0])
 
-    return pre_hook
+    return runtime_boundary(pre_hook)
 
 
 def _make_post_hook(step: Step, name: str):
@@ -507,4 +526,4 @@ def _make_post_hook(step: Step, name: str):
         out = step.module_post_forward(name, module, output)
         return None if out is output else out
 
-    return post_hook
+    return runtime_boundary(post_hook)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._collectives import check_backward_transforms, check_batched_grads, jvp_of_gather
+from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
     function_base_apply,
@@ -128,7 +129,7 @@ def _take_grads_hook(step: Step, name: str):
         step = ref()
         return None if step is None else step.nodes.take_grads(name, grads)
 
-    return hook
+    return runtime_boundary(hook)
 
 
 class _GroupGather(torch.autograd.Function):
@@ -147,6 +148,7 @@ class _GroupGather(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # None: the parameter got no gradient (reduce-scattered as zeros)
 
     @staticmethod
+    @runtime_boundary  # (autograd calls it, under torch.compile too: see funcshard._compile)
     def backward(ctx, *grads):
         step = ctx.step
         grads = step.nodes.given_grads(ctx.name, grads)
@@ -199,6 +201,7 @@ class _Relay(torch.autograd.Function):
         return torch.zeros((), device=shards[0].device)
 
     @staticmethod
+    @runtime_boundary
     def backward(ctx, _token_grad):
         return (None, None, None, *ctx.step.relay.grads(ctx.name, ctx.index))
 
@@ -420,7 +423,7 @@ def _param_grad_hook(ref, name: str, i: int):
         step = ref()
         return None if step is None else step.fused.param_grad(name, i, grad)
 
-    return hook
+    return runtime_boundary(hook)
 
 
 class _StepGather(torch.autograd.Function):
@@ -440,6 +443,7 @@ class _StepGather(torch.autograd.Function):
             ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
+    @runtime_boundary
     def backward(ctx, *grads):
         return (None, *ctx.step.fused.shard_grads())
 

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
+from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of, dp_axes
 from funcshard._policy import (
     MixedPrecisionPolicy,
@@ -74,6 +75,7 @@ def _in_backward() -> bool:
     return current_graph_task_id() != -1
 
 
+@runtime_boundary  # (FSDP2's hooks break the graph too: torch._dynamo.config.skip_fsdp_hooks)
 @_no_inference_tensors
 def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     ctx = ctx_of(unit)
@@ -102,6 +104,7 @@ def _cast_inputs(unit: _Unit, args: tuple, kwargs: dict) -> tuple | None:
     return cast_floating(mp.param_dtype, (args, kwargs))
 
 
+@runtime_boundary
 @_no_inference_tensors
 def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any:
     ctx = unit.ctx
