@@ -74,8 +74,14 @@ def _chunked(fs, rsf, tie, grouped, mp="none", steps=4, chunks=4):
     return losses, grads
 
 
+# torch's FSDP2 runs a grouped unit's member alone from 2.13 on (2.11: "aten.mm.default got mixed torch.Tensor and
+# DTensor"); before, the reference is FSDP2 with the members as units of their own, which FSDP2's own test holds
+# bit-identical to the grouped run (grouped-vs-ungrouped parity)
+_FSDP2_RUNS_PARTIAL_GROUPS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def _parity(rsf, tie, grouped, mp):
-    ref = _chunked(torch_fsdp, rsf, tie, grouped, mp)
+    ref = _chunked(torch_fsdp, rsf, tie, grouped and _FSDP2_RUNS_PARTIAL_GROUPS, mp)
     try:
         got = _chunked(funcshard, rsf, tie, grouped, mp)
     except Exception as e:  # noqa: BLE001
@@ -88,5 +94,7 @@ def _parity(rsf, tie, grouped, mp):
     (True, False, True, "none"), (False, False, True, "none"), (True, True, True, "none"), (False, True, True, "none"),
     (True, False, False, "none"), (True, False, True, "bf16_inner_only"), (False, True, True, "bf16_everywhere")])
 def test_grouped_unit_member_run_alone_matches_fsdp2(rsf, tie, grouped, mp):
+    if tie and not _FSDP2_RUNS_PARTIAL_GROUPS:
+        pytest.skip("[embed, norm, head] has no ungrouped FSDP2 equivalent, and this torch's FSDP2 cannot run it")
     for res in run_ranks(2, _parity, rsf, tie, grouped, mp):
         assert res == (True, 0.0, True), res
