@@ -277,9 +277,10 @@ class Step:
                 self.reshard(name)
         self.graph = self.graph or torch.is_grad_enabled()
 
-    def wrap_for_backward(self, name: str, output: Any) -> Any:
+    def wrap_for_backward(self, name: str, output: Any, keeper: list | None = None) -> Any:
         """Hook the group's outputs so the group is gathered again before its backward runs: a gradient hook on
-        the outputs fires once the first output gradient is ready, before any backward op of the group."""
+        the outputs fires once the first output gradient is ready, before any backward op of the group. The hooks
+        of a fused forward hold its ``keeper`` (``Fused.end_forward``: the graph's views live as long as they do)."""
         if not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor):  # (the usual case, without a pytree walk)
@@ -291,13 +292,17 @@ class Step:
         # A group without trainable parameters has no gather node in the graph to keep the step alive until its
         # backward: its hooks hold the step themselves (made per call, not kept by the step: no reference cycle).
         strong = not self.groups[name].trainable
+        keeper = self.fused.keeper if keeper is None else keeper
         if len(tensors) > 1 and _single_grad_level():
             # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
-            hook = _pre_backward_hook(self, name, once=True, strong=strong)
+            hook = _pre_backward_hook(self, name, once=True, strong=strong, keeper=keeper)
             for t in tensors:
                 t.register_hook(hook)
             return output
-        hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+        if strong or keeper is not None:
+            hook = _pre_backward_hook(self, name, strong=strong, keeper=keeper)
+        else:
+            hook = self._pre_backward_hooks[name]
         if len(tensors) == 1:
             tensors[0].register_hook(hook)
         else:
@@ -425,11 +430,12 @@ class Step:
                 self.swap_out(name)
                 self.binding.rest(name, None)
                 self.nodes.loosen(name)
+            keeper = self.fused.end_forward()
         self.reshard_after_forward(ROOT)
         self.end_forward()
         if plan.order_differs(self.prefetcher.order):
             _warn_order(plan, facts, self.prefetcher.order)
-        out = self.wrap_for_backward(ROOT, out)
+        out = self.wrap_for_backward(ROOT, out, keeper)
         dtype = plan.groups[0].output_dtype
         return out if dtype is None else cast_floating(dtype, out)
 
@@ -458,9 +464,10 @@ def _single_grad_level() -> bool:
     return stack is not None and len(stack) == 1 and stack[0].key() == TransformType.Grad
 
 
-def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
+def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False, keeper: list | None = None):
     # Weakly held: the step keeps its hooks. The autograd graph keeps the step alive through its gather nodes while
-    # a backward can come; ``strong``: a hook the step does not keep holds it (for a group without such a node).
+    # a backward can come; ``strong``: a hook the step does not keep holds it (for a group without such a node);
+    # ``keeper``: a fused forward's views (Fused.end_forward), held by the hook for as long as the graph holds it.
     ref = (lambda: step) if strong else weakref.ref(step)
     fired = [None]  # the backward (graph task) in which a once-per-call hook last fired
 
@@ -479,6 +486,7 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool =
             return grad.detach()
         return None  # the gradient passes unchanged
 
+    hook.keeper = keeper  # (held for as long as autograd holds the hook)
     return hook
 
 
