@@ -3,6 +3,8 @@ naming what is wrong and the fix; nothing outlives its step."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,193 @@ def test_failed_donating_update_changes_nothing(name, make, via_step, match):
     got = (optim.step(tx, grads, opt_state, params, donate=True) if via_step
            else tx.update(grads, opt_state, params, donate=True))
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(list(want)), _snapshot(list(got))))
+
+
+# ---- bad settings fail clearly, on every rank ------------------------------------------------------------------
+
+
+def _too_small_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP
+
+    out = {}
+    small = init_device_mesh("cpu", (1,))  # on 2 ranks: rank 0 is on it, rank 1 is not
+    for name, fn in [("plan", lambda: funcshard.plan(MLP(layers=2), small)),
+                     ("fully_shard", lambda: funcshard.fully_shard(MLP(layers=2), mesh=small))]:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    # a part of the world sliced from a mesh over every rank is fine (each rank its own 1-rank data-parallel mesh)
+    part = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("part", "dp"))["dp"]
+    out["sliced_world"] = funcshard.plan(MLP(layers=2), part).world
+    return out
+
+
+def test_a_mesh_over_part_of_the_world_fails_on_every_rank():
+    """A (1,) mesh on 2 ranks: rank 0 planned silently with world 1 and rank 1 got "no live process group ... list
+    index out of range" (32e5200); now both raise, naming the mesh, the world and the fix."""
+    from multirank import run_ranks
+
+    for rank, out in enumerate(run_ranks(2, _too_small_mesh)):
+        assert out.pop("sliced_world") == 1
+        for name, msg in out.items():
+            assert re.search(r"(ShardingError|ValueError): .*mesh DeviceMesh\('cpu', shape \(1\)\) spans 1 of the 2 "
+                             rf"ranks of the world \(ranks \[1\] are not on it; this is rank {rank}\).*Build the mesh "
+                             r"over every rank: init_device_mesh\('cpu', \(2,\)\).*slice that part from a mesh over "
+                             r"every rank", msg), (rank, name, msg)
+
+
+@pytest.fixture
+def fake_mesh2():
+    """A 2-rank mesh in this process (torch's fake process group: planning needs no collective)."""
+    from funcshard.cost import fake_mesh
+
+    return fake_mesh(2)
+
+
+def _model():
+    from models import MLP
+
+    torch.manual_seed(0)
+    return MLP(layers=2)
+
+
+@pytest.mark.parametrize("value, shown", [("x", r"'x' \(str\)"), (1.0, r"1\.0 \(float\)"), (True, r"True \(bool\)")])
+def test_shard_placement_fn_returning_no_dim(fake_mesh2, value, shown):
+    """'x' gave a raw int() ValueError naming nothing; 1.0 and True were taken as dim 1 (32e5200)."""
+    import funcshard
+    from funcshard import ShardingError
+
+    with pytest.raises(ShardingError, match=rf"cannot shard over mesh .*\n  inp\.weight: shard_placement_fn returned "
+                                            rf"{shown}, not a tensor dim; return an int \(0 for the first dim, -1 "
+                                            rf"for the last\), a Shard\(dim\), or None for dim 0"):
+        funcshard.plan(_model(), fake_mesh2, shard_placement_fn=lambda n, p: value if n == "inp.weight" else None)
+    from torch.distributed.tensor import Shard
+
+    plan = funcshard.plan(_model(), fake_mesh2, shard_placement_fn=lambda n, p: Shard(1) if p.dim() == 2 else -1)
+    assert plan.specs["inp.weight"].dim == 1 and plan.specs["inp.bias"].dim == 0
+
+
+class _NotThere(torch.nn.Module):
+    pass
+
+
+@pytest.mark.parametrize("policy, match", [
+    (_NotThere, r"groups=_NotThere matches no submodule of MLP \(its submodule classes: \['Linear', 'ModuleList', "
+                r"'Block'"),
+    ((_NotThere, torch.nn.Conv2d), r"groups=\(_NotThere, Conv2d,\) matches no submodule of MLP"),
+    (lambda fqn, m: fqn == "blocks.7", r"groups=.*<lambda> matches no submodule of MLP"),
+    (torch.nn.ReLU, r"groups=ReLU matches 1 submodules \(\['1'\]\) of Sequential, none of which holds a parameter "
+                    r"of its own"),
+])
+def test_group_policy_matching_nothing(fake_mesh2, policy, match):
+    """A class or callable group policy that picks nothing gave one root group silently (32e5200)."""
+    import funcshard
+    from funcshard import ShardingError
+
+    model = _model() if policy is not torch.nn.ReLU else torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(ShardingError, match=match + r"[\s\S]*so every parameter would be in the root group[\s\S]*"
+                                                    r"groups=None for one root group on purpose"):
+        funcshard.plan(model, fake_mesh2, groups=policy)
+    assert len(funcshard.plan(model, fake_mesh2, groups=None).groups) == 1  # on purpose: fine
+
+
+# ---- nothing outlives its graph --------------------------------------------------------------------------------
+
+
+class _Raise(Exception):
+    pass
+
+
+def _leaks():
+    """Per model and way of running apply: the plan's live Steps once the results are dropped; per model, how many
+    more tensors are alive after running every way once more than after the first (warm-up) round."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from funcshard._runtime.step import _facts
+    from models import GPT, MLP, Block, GPTBlock
+
+    def tensors():
+        gc.collect()
+        return sum(type(o) is torch.Tensor or type(o) is torch.nn.Parameter for o in gc.get_objects())
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for name, model, groups, x in [
+        ("gpt", GPT(vocab=64, d=32, heads=4, layers=2, seq=8), (GPTBlock,), torch.randint(0, 64, (2, 8))),
+        ("mlp", MLP(layers=3), (Block,), torch.randn(4, 7)),
+    ]:
+        plan = funcshard.plan(model, mesh, groups=groups)
+        state = funcshard.shard(plan)
+        fail = [False]
+
+        def pre(mod, args):
+            if fail[0]:
+                raise _Raise("a forward that raises half-way")
+
+        model.blocks[1].register_forward_pre_hook(pre)
+
+        def f(s):
+            return funcshard.apply(plan, s, x).float().square().mean()
+
+        def leaves():
+            return {k: v.detach().requires_grad_() for k, v in state.items()}
+
+        def vjp_called_twice():
+            y, fn = torch.func.vjp(f, state)
+            return fn(torch.ones_like(y)), fn(torch.ones_like(y))
+
+        def raises(run):
+            fail[0] = True
+            try:
+                run()
+            except _Raise:
+                pass
+            finally:
+                fail[0] = False
+
+        modes = {
+            "vjp never called": lambda: torch.func.vjp(f, state),
+            "vjp called twice": vjp_called_twice,
+            "grad": lambda: torch.func.grad(f)(state),
+            "autograd backward": lambda: f(leaves()).backward(),
+            "autograd, no backward": lambda: f(leaves()),
+            "no_grad": lambda: torch.no_grad()(f)(state),
+            "value_and_grad": lambda: funcshard.value_and_grad(f)(state),
+            "grad, forward raises": lambda: raises(lambda: torch.func.grad(f)(state)),
+            "autograd, forward raises": lambda: raises(lambda: f(leaves())),
+        }
+        if name == "mlp":  # (scaled_dot_product_attention has no forward-mode AD on CPU)
+            modes["jvp"] = lambda: torch.func.jvp(f, (state,), ({k: torch.ones_like(v) for k, v in state.items()},))
+        steps = _facts(plan).steps  # (weakly: every step apply made for this plan)
+        before = None
+        for round in range(2):
+            for mode, run in modes.items():
+                alive = len(steps)
+                result = run()
+                del result
+                out[f"{name}: {mode}"] = len(steps) - alive  # (freed by reference counting: no collection needed)
+            if round == 0:
+                before = tensors()
+        out[f"{name}: tensors"] = tensors() - before
+    return out
+
+
+def test_no_step_outlives_its_graph_in_any_mode():
+    """A torch.func.vjp whose vjp_fn is never called leaked its Step and the root group's gathered parameters, +168
+    tensors per call on a small GPT (32e5200): the step held its fused views, whose graph held the step."""
+    from multirank import run_ranks
+
+    for out in run_ranks(2, _leaks):
+        assert all(v == 0 for v in out.values()), {k: v for k, v in out.items() if v != 0}
