@@ -25,7 +25,13 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     plain autograd (``loss.backward()`` with ``requires_grad`` shards). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
-    loss. Pure: neither ``state`` nor the module's own tensors are modified.
+    loss. ``state`` and the module's parameters are not modified.
+
+    Buffers are not part of ``state``: they stay the module's own (not sharded, not synced across ranks, not saved
+    by ``funcshard.checkpoint``), and a forward that updates them in place (BatchNorm's running statistics in train
+    mode) updates the module's buffers, as the module would on its own, under plain autograd and
+    ``funcshard.value_and_grad``; ``torch.func`` transforms refuse such updates (a RuntimeError that says so and names
+    the buffers): use eval mode or ``track_running_stats=False`` there.
     """
     check_state(plan, state)
     check_mesh(plan.mesh)

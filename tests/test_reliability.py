@@ -261,3 +261,107 @@ def test_no_step_outlives_its_graph_in_any_mode():
 
     for out in run_ranks(2, _leaks):
         assert all(v == 0 for v in out.values()), {k: v for k, v in out.items() if v != 0}
+
+
+def _loss_of_an_inner_activation():
+    """torch.func.grad of a loss taken from an activation of the root group (stashed by a hook), the model's output
+    dropped: the hooks that hold the fused forward's views die with the output, and the root group, whose parameters
+    get fewer gradients than were hooked, finishes in the whole-step gather's backward. (A loss of an activation
+    inside a group that reshards after forward is not supported: no hook gathers the group again for its backward,
+    as in FSDP2.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP, Block
+
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    stash = []
+    model.inp.register_forward_hook(lambda m, a, o: stash.append(o))
+    x = torch.randn(4, 7)
+
+    def aux(out):
+        del out
+        return stash.pop().square().mean()
+
+    full = {k: v.detach() for k, v in model.named_parameters()}
+    ref = torch.func.grad(lambda p: aux(torch.func.functional_call(model, p, (x,))))(full)
+    plan = funcshard.plan(model, init_device_mesh("cpu", (dist.get_world_size(),)), groups=(Block,))
+    got = torch.func.grad(lambda s: aux(funcshard.apply(plan, s, x)))(funcshard.shard(plan))
+    want = funcshard.shard(plan, ref)
+    return {k: torch.allclose(got[k], want[k], atol=1e-6) for k in want}
+
+
+def test_grad_of_an_inner_activation_only():
+    from multirank import run_ranks
+
+    for out in run_ranks(2, _loss_of_an_inner_activation):
+        assert all(out.values()), out
+
+
+# ---- buffers stay the module's own -------------------------------------------------------------------------------
+
+
+class _WithBatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 6)
+        self.bn = torch.nn.BatchNorm1d(6)
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(self.bn(self.inp(x)))
+
+
+def _batchnorm():
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+
+    torch.manual_seed(0)
+    model = _WithBatchNorm()
+    ref = copy.deepcopy(model)
+    plan = funcshard.plan(model, init_device_mesh("cpu", (dist.get_world_size(),)))
+    state = funcshard.shard(plan)
+    x = torch.randn(8, 5) + dist.get_rank()  # each rank its own batch: its own running statistics
+
+    def loss(s):
+        return funcshard.apply(plan, s, x).square().mean()
+
+    out = {}
+    try:
+        torch.func.grad(loss)(state)
+        out["func.grad, train mode"] = "no error"
+    except RuntimeError as e:
+        out["func.grad, train mode"] = str(e)
+    out["untouched by the failed call"] = torch.equal(model.bn.running_mean, ref.bn.running_mean)
+    funcshard.value_and_grad(loss)(state)  # plain autograd: the module updates its buffers, as on its own
+    ref(x)
+    out["value_and_grad updates them as the module"] = all(
+        torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
+    for m in (model, ref):  # (the ranks' running statistics differ: buffers are not synced)
+        m.bn.reset_running_stats()
+        m.eval()
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(1))  # the same on every rank: the local gradient
+    got = torch.func.grad(loss)(state)
+    want = funcshard.shard(plan, torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)).square().mean())(
+        {k: v.detach() for k, v in ref.named_parameters()}))
+    out["func.grad, eval mode"] = all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    return out
+
+
+def test_batchnorm_buffers_are_the_modules_own():
+    """Buffers are not in state; under torch.func.grad a train-mode BatchNorm failed with torch's generic "mutate a
+    captured Tensor" (32e5200): now the error names the buffers and the fix."""
+    from multirank import run_ranks
+
+    for out in run_ranks(2, _batchnorm):
+        msg = out.pop("func.grad, train mode")
+        assert re.search(r"funcshard\.apply: the module updated a tensor in place .*its floating buffers: "
+                         r"\['bn\.running_mean', 'bn\.running_var'\].*Buffers are not part of funcshard's state.*"
+                         r"Fix: train with funcshard\.value_and_grad or loss\.backward\(\)", msg), msg
+        assert all(out.values()), out

@@ -418,8 +418,10 @@ class Step:
             if root.param_dtype is not None and root.cast_forward_inputs:
                 args, kwargs = cast_floating(root.param_dtype, (args, kwargs))
             out = plan.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             _remove(handles)
+            if isinstance(e, RuntimeError) and "mutate a captured Tensor" in str(e) and get_interpreter_stack():
+                raise RuntimeError(_buffer_update_message(plan)) from e
             raise
         finally:
             self.in_forward = False
@@ -451,6 +453,20 @@ def _warn_order(plan: Plan, facts: _PlanFacts, order: list[str]) -> None:
         f"are not next (more memory, less overlap). Use plan = plan.with_order({tuple(order)!r})",
         stacklevel=3,
     )
+
+
+def _buffer_update_message(plan: Plan) -> str:
+    """torch.func refused an in-place update of a captured tensor in the module's forward: in practice a buffer
+    (BatchNorm's running statistics in train mode). Buffers are the module's own, not part of the state."""
+    bufs = [n for n, b in plan.module.named_buffers() if b.is_floating_point()]
+    shown = f"{bufs[:6]}{' ...' if len(bufs) > 6 else ''}" if bufs else "none found"
+    return ("funcshard.apply: the module updated a tensor in place that the torch.func transform did not get as an "
+            f"input (torch: 'mutate a captured Tensor'), in practice a buffer (its floating buffers: {shown}), e.g. "
+            "BatchNorm's running statistics in train mode. Buffers are not part of funcshard's state: they stay the "
+            "module's own (not sharded, not synced across ranks, not saved by funcshard.checkpoint), and "
+            "torch.func cannot update them. Fix: train with funcshard.value_and_grad or loss.backward() (plain "
+            "autograd: the module updates its buffers as it would on its own), or put those modules in eval mode "
+            "(or build them with track_running_stats=False) under torch.func")
 
 
 def _remove(handles: list) -> None:
