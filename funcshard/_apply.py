@@ -12,6 +12,7 @@ from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
+from funcshard._runtime.step import buffer_update_error
 from funcshard._shard import check_state
 
 
@@ -26,7 +27,13 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     plain autograd (``loss.backward()`` with ``requires_grad`` shards). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
-    loss. Pure: neither ``state`` nor the module's own tensors are modified.
+    loss. ``state`` and the module's parameters are not modified.
+
+    Buffers are not part of ``state``: they stay the module's own (not sharded, not synced across ranks, not saved
+    by ``funcshard.checkpoint``), and a forward that updates them in place (BatchNorm's running statistics in train
+    mode) updates the module's buffers, as the module would on its own, under plain autograd and
+    ``funcshard.value_and_grad``; ``torch.func`` transforms refuse such updates (a RuntimeError that says so and names
+    the buffers): use eval mode or ``track_running_stats=False`` there.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``).
@@ -34,8 +41,10 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     step, args, kwargs = _enter(plan, state, args, kwargs)
     try:
         out = plan.module(*args, **kwargs)
-    except BaseException:
-        _failed(step)
+    except BaseException as e:
+        explained = _failed(step, e)
+        if explained is not None:
+            raise explained from e
         raise
     return _exit(step, out)
 
@@ -50,8 +59,9 @@ def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: d
 
 
 @runtime_boundary
-def _failed(step: Step) -> None:
+def _failed(step: Step, error: BaseException) -> RuntimeError | None:
     step.forward_failed()
+    return buffer_update_error(step.plan, error)
 
 
 @runtime_boundary

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from funcshard._compat import root_mesh
 from funcshard._spec import ShardingError
 
 
@@ -124,6 +125,8 @@ def check_mesh(mesh: DeviceMesh) -> None:
     """Raise if ``mesh`` is not a data-parallel mesh (``dp_axes``) or does not match its process groups (sizes), or a
     group is gone."""
     axes = dp_axes(mesh)
+    if dist.is_initialized() and (root := root_mesh(mesh)).size() < dist.get_world_size():
+        raise ShardingError(_partial_world(mesh, root))
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ShardingError(
             f"mesh {mesh_str(mesh)} does not contain this rank ({dist.get_rank()} of a world of "
@@ -145,6 +148,20 @@ def check_mesh(mesh: DeviceMesh) -> None:
                 f"mesh {mesh_str(mesh)} has {mesh.size(axis)} ranks on axis {axis} but its process group has "
                 f"{pg_size}; build the mesh from the current group: init_device_mesh(device_type, ({pg_size},))"
             )
+
+
+def _partial_world(mesh: DeviceMesh, root: DeviceMesh) -> str:
+    """The error for a mesh made over part of the world (not sliced from a mesh over all of it): every rank raises
+    it, the ranks on the mesh too (they would train alone, or wait for ranks that never come)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    on = set(root.mesh.flatten().tolist())
+    off = [r for r in range(world) if r not in on]
+    shown = f"{off[:8]}"[:-1] + (f", ... ({len(off)} ranks)]" if len(off) > 8 else "]")
+    return (f"mesh {mesh_str(mesh)} spans {root.size()} of the {world} ranks of the world (ranks {shown} are not "
+            f"on it; this is rank {rank}): the ranks off the mesh would fail while those on it train alone, or wait "
+            f"for them. Build the mesh over every rank: init_device_mesh({mesh.device_type!r}, ({world},)) (HSDP: "
+            f"(replicate, shard) with replicate * shard = {world}); to train on part of the world, slice that part "
+            f"from a mesh over every rank (init_device_mesh(..., mesh_dim_names=('part', 'dp'))['dp'])")
 
 
 def default_fsdp_mesh() -> DeviceMesh:

@@ -24,7 +24,7 @@ from funcshard._policy import (
     reshard_after_forward_default,
     resolve_reshard_after_forward,
 )
-from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec
+from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_spec, placement_dim
 
 __all__ = ["Group", "Plan", "plan"]
 
@@ -347,13 +347,11 @@ def plan(
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
     for fqn, p in named["params"].items():
-        dim = 0
-        if shard_placement_fn is not None:
-            chosen = shard_placement_fn(fqn, p)
-            if chosen is not None:
-                if not isinstance(chosen, int):
-                    chosen = getattr(chosen, "dim", chosen)  # accept DTensor Shard(dim) too
-                dim = int(chosen)
+        try:
+            dim = 0 if shard_placement_fn is None else placement_dim(fqn, shard_placement_fn(fqn, p))
+        except ShardingError as e:
+            problems.append(f"  {e}")
+            continue
         lo, hi = dim_range(tuple(p.shape))
         if not lo <= dim <= hi:
             problems.append(
@@ -454,6 +452,7 @@ def _make_groups(
     order = {name: i for i, name in enumerate(mods)}
     # 1. which module paths form which group
     units: list[tuple[str, ...]] = []
+    matching = False  # a class or callable policy (it must pick something: _check_matched)
     if isinstance(policy, str):  # one module path
         policy = [policy]
     elif isinstance(policy, (list, tuple, set, frozenset)) and policy and all(isinstance(c, type) for c in policy):
@@ -462,8 +461,10 @@ def _make_groups(
         pass
     elif isinstance(policy, type) or (isinstance(policy, tuple) and policy and all(isinstance(c, type) for c in policy)):
         units = [(n,) for n, m in mods.items() if n and isinstance(m, policy)]
+        matching = True
     elif callable(policy):
         units = [(n,) for n, m in mods.items() if n and policy(n, m)]
+        matching = True
     else:
         for item in policy:
             unit = (item,) if isinstance(item, str) else tuple(item)
@@ -500,7 +501,29 @@ def _make_groups(
     for unit in sorted(units, key=lambda u: order[u[0]]):
         if by_unit[unit]:
             groups.append(Group(unit[0], unit, tuple(by_unit[unit]), other_rsf))
+    if matching and len(groups) == 1:
+        _unmatched(module, policy, [u[0] for u in units])
     return tuple(groups)
+
+
+def _unmatched(module: nn.Module, policy: Any, picked: list[str]) -> None:
+    """A class or callable group policy that gives no group: every parameter would be in the root group, gathered
+    for the whole step (no memory saved): almost surely the wrong class or a callable that never says yes."""
+    if isinstance(policy, type):
+        shown = policy.__name__
+    elif isinstance(policy, tuple):
+        shown = "(" + ", ".join(c.__name__ for c in policy) + ",)"
+    else:
+        shown = getattr(policy, "__qualname__", None) or repr(policy)
+    classes = list(dict.fromkeys(type(m).__name__ for n, m in module.named_modules() if n))
+    found = (f"matches no submodule of {type(module).__name__} (its submodule classes: {classes[:8]}"
+             f"{' ...' if len(classes) > 8 else ''})" if not picked else
+             f"matches {len(picked)} submodules ({picked[:3]}{' ...' if len(picked) > 3 else ''}) of "
+             f"{type(module).__name__}, none of which holds a parameter of its own")
+    raise ShardingError(
+        f"groups={shown} {found}, so every parameter would be in the root group, all gathered for the whole step; "
+        f"pass the class of the repeated blocks (e.g. groups=(TransformerBlock,)), a callable (fqn, module) -> bool "
+        f"that picks them, module paths, or groups=None for one root group on purpose")
 
 
 def _mp_fields(policy: Any, where: str) -> dict[str, Any]:

@@ -251,6 +251,19 @@ def dim_range(shape: tuple[int, ...]) -> tuple[int, int]:
     return -n, n - 1
 
 
+def placement_dim(fqn: str, chosen: object) -> int:
+    """A ``shard_placement_fn``'s answer for ``fqn`` as a tensor dim: ``None`` (dim 0), an int, or a DTensor
+    ``Shard(dim)``. Anything else (a str, a float, a bool) raises, naming the parameter, the value and the fix."""
+    if chosen is None:
+        return 0
+    dim = chosen.dim if isinstance(getattr(chosen, "dim", None), int) else chosen  # Shard(dim) too
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ShardingError(
+            f"{fqn}: shard_placement_fn returned {chosen!r} ({type(chosen).__name__}), not a tensor dim; return an "
+            f"int (0 for the first dim, -1 for the last), a Shard(dim), or None for dim 0")
+    return dim
+
+
 def make_spec(fqn: str, param: torch.Tensor, dim: int, *, axis: int, world: int,
               aliases: tuple[str, ...] = ()) -> ShardSpec:
     """The spec of ``param`` sharded on ``dim`` (in ``dim_range``: callers check it and word the error) over

@@ -42,7 +42,13 @@ Conventions (as in optax):
   caller gives up ``updates`` and ``opt_state``, which are then reused in place
   (moments, momentum, the returned updates), so a step allocates no second copy
   of the optimizer state; ``apply_updates(params, updates, donate=True)``
-  likewise updates ``params`` in place. Same numbers as the pure form.
+  likewise updates ``params`` in place. Same numbers as the pure form. Check
+  first, then donate: a donating :func:`chain` (and :func:`step`) runs the input
+  checks of every transform in it before any tensor is changed in place, so a
+  call that raises leaves updates, state and params as they were (a transform
+  of your own in a chain takes part if its update function has a
+  ``check(updates, state, params)`` attribute; without one it is not checked
+  beforehand).
 * ``lr`` is a float or a schedule ``schedule(count: int) -> float`` where
   ``count`` is the number of updates already applied: ``0`` for the first
   update. This matches both optax (``scale_by_schedule``) and torch's
@@ -324,6 +330,19 @@ def _check_lr(where: str, lr: Any) -> None:
     _check_nonneg("learning rate", lr, where)
 
 
+def _checked(update_fn: Callable, check: Callable) -> Callable:
+    """``update_fn`` with its input check attached (``update_fn.check(updates, state, params)``, raising what
+    ``update_fn`` would raise for bad input): a donating chain or step runs every check before anything changes."""
+    update_fn.check = check
+    return update_fn
+
+
+def _precheck(tx: Any, updates: PyTree, state: Any, params: PyTree) -> None:
+    check = getattr(getattr(tx, "update", None), "check", None)
+    if check is not None:
+        check(updates, state, params)
+
+
 # --------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------
@@ -380,13 +399,15 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         del params
         return ScaleByScheduleState(count=0)
 
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def check(updates, state, params=None):
         _check_state("scale_by_schedule", state, ScaleByScheduleState)
+
+    def update_fn(updates, state, params=None, **extra):
+        check(updates, state)
         factor = step_size_fn(state.count)
         return _scale_leaves(updates, factor, extra.get("donate", False)), ScaleByScheduleState(count=state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _checked(update_fn, check))
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -424,14 +445,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         nu = _zeros_like_tree(where, params)
         return ScaleByAdamState(count=0, mu=mu, nu=nu)
 
-    def update_fn(updates, state, params=None, **extra):
-        del params
-        donate = extra.get("donate", False)
+    def check(updates, state, params=None):
         _check_state(where, state, ScaleByAdamState)
-        g, spec = tree_flatten(updates)
-        mu, mu_spec = tree_flatten(state.mu)
-        nu, _ = tree_flatten(state.nu)
-        _check_match(where, "updates", updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
+        return _check_moments(where, "updates", updates, state)
+
+    def update_fn(updates, state, params=None, **extra):
+        donate = extra.get("donate", False)
+        g, spec, mu, nu, mu_spec = check(updates, state)
         state_leaves = mu + nu
         count = state.count + 1
         if not g:
@@ -463,7 +483,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu)
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _checked(update_fn, check))
+
+
+def _check_moments(where: str, what: str, updates: PyTree, state: ScaleByAdamState):
+    """``updates`` against Adam's moments (both): ``(g, spec, mu, nu, mu_spec)`` flattened."""
+    g, spec = tree_flatten(updates)
+    mu, mu_spec = tree_flatten(state.mu)
+    nu, nu_spec = tree_flatten(state.nu)
+    _check_match(where, what, updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
+    _check_match(where, what, updates, g, spec, "optimizer state", state.nu, nu, nu_spec, _FIX_STATE)
+    return g, spec, mu, nu, mu_spec
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
@@ -481,13 +511,19 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         del params
         return AddDecayedWeightsState()
 
-    def update_fn(updates, state, params=None, **extra):
+    def check(updates, state, params=None):
         if weight_decay == 0.0:
-            return updates, state
+            return None
         _require_params(where, params)
         u, spec = tree_flatten(updates)
         p, p_spec = tree_flatten(params)
         _check_match(where, "updates", updates, u, spec, "params", params, p, p_spec, _FIX_PARAMS)
+        return u, spec, p
+
+    def update_fn(updates, state, params=None, **extra):
+        if weight_decay == 0.0:
+            return updates, state
+        u, spec, p = check(updates, state, params)
         if not u:
             return updates, state
         with torch.no_grad():
@@ -497,7 +533,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             out = foreach_add(u, p, alpha=weight_decay)
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _checked(update_fn, check))
 
 
 def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
@@ -517,13 +553,16 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
     def init_fn(params: PyTree) -> TraceState:
         return TraceState(count=0, trace=_zeros_like_tree(where, params))
 
-    def update_fn(updates, state, params=None, **extra):
-        del params
-        donate = extra.get("donate", False)
+    def check(updates, state, params=None):
         _check_state(where, state, TraceState)
         g, spec = tree_flatten(updates)
         buf, buf_spec = tree_flatten(state.trace)
         _check_match(where, "updates", updates, g, spec, "optimizer state", state.trace, buf, buf_spec, _FIX_STATE)
+        return g, spec, buf, buf_spec
+
+    def update_fn(updates, state, params=None, **extra):
+        donate = extra.get("donate", False)
+        g, spec, buf, buf_spec = check(updates, state)
         if not g:
             return updates, TraceState(count=state.count + 1, trace=state.trace)
         with torch.no_grad():
@@ -547,7 +586,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
         new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
         return tree_unflatten(spec, out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _checked(update_fn, check))
 
 
 def _resolve_group(mesh: Any) -> Any:
@@ -584,17 +623,18 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
         del params
         return ClipByGlobalNormState()
 
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def check(updates, state, params=None):
         leaves, spec = tree_flatten(updates)
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            _check_tensor_leaves(where, "updates", updates, leaves)
+        return leaves, spec
+
+    def update_fn(updates, state, params=None, **extra):
+        leaves, spec = check(updates, state)
         if not leaves:
             return updates, state
-        try:
-            devices = {t.device for t in leaves}
-            acc = torch.float64 if any(t.dtype == torch.float64 for t in leaves) else torch.float32
-        except AttributeError:
-            _check_tensor_leaves(where, "updates", updates, leaves)
-            raise
+        devices = {t.device for t in leaves}
+        acc = torch.float64 if any(t.dtype == torch.float64 for t in leaves) else torch.float32
         with torch.no_grad():
             norms = foreach_norm(leaves, 2, dtype=acc)
             device = leaves[0].device
@@ -615,7 +655,7 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
                 out = foreach_mul(leaves, clip_coef)
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _checked(update_fn, check))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -635,20 +675,38 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"Fix: pass the state returned by this chain's init() (or by its previous update())."
             )
 
-    def update_fn(updates, state, params=None, **extra):
+    def check_all(updates, state, params=None):
         check(state)
+        for t, s in zip(transforms, state):  # (each transform keeps the updates' structure and shapes)
+            _precheck(t, updates, s, params)
+
+    def update_fn(updates, state, params=None, **extra):
+        if extra.get("donate", False):
+            check_all(updates, state, params)  # check first, then donate
+        else:
+            check(state)
         new_states = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **extra)
             new_states.append(s)
         return updates, tuple(new_states)
 
+    update_fn = _checked(update_fn, check_all)
     last = transforms[-1] if transforms else None
     if not isinstance(last, TorchOptimizer):
         return GradientTransformation(init_fn, update_fn)
 
-    def exact(grads, state, params, donate=False):  # the transforms before the optimizer, then its exact step
+    def check_exact(grads, state, params):
         check(state)
+        for t, s in zip(transforms[:-1], state[:-1]):
+            _precheck(t, grads, s, params)
+        last.exact.check(grads, state[-1], params)
+
+    def exact(grads, state, params, donate=False):  # the transforms before the optimizer, then its exact step
+        if donate:
+            check_exact(grads, state, params)
+        else:
+            check(state)
         new_states = []
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params, donate=donate)
@@ -656,7 +714,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         params, s = last.exact(grads, state[-1], params, donate=donate)
         return params, (*new_states, s)
 
-    return _torch_optimizer(GradientTransformation(init_fn, update_fn), exact, last.torch_param_group)
+    return _torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
+                            last.torch_param_group)
 
 
 # --------------------------------------------------------------------------
@@ -690,12 +749,21 @@ def sgd(
     tx = chain(*parts)
     tx_check = _chain_check("sgd", len(parts))
 
+    def check(grads, state, params):
+        tx_check(state)
+        _check_state("sgd", state[-1], ScaleByScheduleState if callable(lr) else ScaleState)
+        g, p, spec = _step_inputs("sgd", grads, params)
+        if momentum != 0:
+            tr = state[1]
+            _check_state("sgd", tr, TraceState)
+            buf, buf_spec = tree_flatten(tr.trace)
+            _check_match("sgd", "grads", grads, g, spec, "optimizer state", tr.trace, buf, buf_spec, _FIX_STATE)
+        return g, p, spec
+
     def exact(grads, state, params, donate=False):
         """``torch.optim.SGD``'s ``_multi_tensor_sgd``, op for op."""
-        tx_check(state)
+        g, p, spec = check(grads, state, params)  # everything checked before anything changes
         sched = state[-1]
-        _check_state("sgd", sched, ScaleByScheduleState if callable(lr) else ScaleState)
-        g, p, spec = _step_inputs("sgd", grads, params)
         lr_t = lr(sched.count) if callable(lr) else lr
         new_states = [state[0]]
         with torch.no_grad():
@@ -704,9 +772,7 @@ def sgd(
             owned = donate or weight_decay != 0  # g may be changed in place
             if momentum != 0:
                 tr = state[1]
-                _check_state("sgd", tr, TraceState)
                 buf, buf_spec = tree_flatten(tr.trace)
-                _check_match("sgd", "grads", grads, g, spec, "optimizer state", tr.trace, buf, buf_spec, _FIX_STATE)
                 if tr.count == 0:
                     buf = [t.clone() for t in g]
                     inherit(p, buf)
@@ -735,7 +801,7 @@ def sgd(
                     weight_decay=weight_decay, nesterov=nesterov, maximize=False, foreach=None,
                     differentiable=False, fused=None)
 
-    return _torch_optimizer(tx, exact, param_group)
+    return _torch_optimizer(tx, _checked(exact, check), param_group)
 
 
 def adamw(
@@ -761,15 +827,17 @@ def adamw(
     )
     tx_check = _chain_check("adamw", 3)
 
+    def check(grads, state, params):
+        tx_check(state)
+        _check_state("adamw", state[0], ScaleByAdamState)
+        _check_state("adamw", state[-1], ScaleByScheduleState if callable(lr) else ScaleState)
+        g, p, spec = _step_inputs("adamw", grads, params)
+        return (p, *_check_moments("adamw", "grads", grads, state[0]))
+
     def exact(grads, state, params, donate=False):
         """``torch.optim.AdamW``'s ``_multi_tensor_adam`` (decoupled weight decay), op for op."""
-        tx_check(state)
+        p, g, spec, mu, nu, mu_spec = check(grads, state, params)  # everything checked before anything changes
         adam, sched = state[0], state[-1]
-        _check_state("adamw", adam, ScaleByAdamState)
-        g, p, spec = _step_inputs("adamw", grads, params)
-        mu, mu_spec = tree_flatten(adam.mu)
-        nu, _ = tree_flatten(adam.nu)
-        _check_match("adamw", "grads", grads, g, spec, "optimizer state", adam.mu, mu, mu_spec, _FIX_STATE)
         lr_t = lr(sched.count) if callable(lr) else lr
         count = adam.count + 1
         with torch.no_grad():
@@ -802,7 +870,7 @@ def adamw(
                     amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                     decoupled_weight_decay=True)
 
-    return _torch_optimizer(tx, exact, param_group)
+    return _torch_optimizer(tx, _checked(exact, check), param_group)
 
 
 def _chain_check(where: str, n: int) -> Callable[[Any], None]:
@@ -844,6 +912,9 @@ def step(tx: GradientTransformation, grads: PyTree, opt_state: Any, params: PyTr
     exact = getattr(tx, "exact", None)
     if exact is not None:
         return exact(grads, opt_state, params, donate=donate)
+    if donate:  # check first (the update's inputs, and the params apply_updates adds to), then donate
+        _precheck(tx, grads, opt_state, params)
+        _step_inputs("step", grads, params)
     updates, opt_state = tx.update(grads, opt_state, params, donate=donate)
     return apply_updates(params, updates, donate=donate), opt_state
 

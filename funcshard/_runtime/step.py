@@ -280,9 +280,10 @@ class Step:
                 self.reshard(name)
         self.graph = self.graph or torch.is_grad_enabled()
 
-    def wrap_for_backward(self, name: str, output: Any) -> Any:
+    def wrap_for_backward(self, name: str, output: Any, keeper: list | None = None) -> Any:
         """Hook the group's outputs so the group is gathered again before its backward runs: a gradient hook on
-        the outputs fires once the first output gradient is ready, before any backward op of the group."""
+        the outputs fires once the first output gradient is ready, before any backward op of the group. The hooks
+        of a fused forward hold its ``keeper`` (``Fused.end_forward``: the graph's views live as long as they do)."""
         if not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor):  # (the usual case, without a pytree walk)
@@ -294,13 +295,17 @@ class Step:
         # A group without trainable parameters has no gather node in the graph to keep the step alive until its
         # backward: its hooks hold the step themselves (made per call, not kept by the step: no reference cycle).
         strong = not self.groups[name].trainable
+        keeper = self.fused.keeper if keeper is None else keeper
         if len(tensors) > 1 and _single_grad_level():
             # one hook per tensor (a multi-grad hook cannot replace gradients); pre_backward once per call
-            hook = _pre_backward_hook(self, name, once=True, strong=strong)
+            hook = _pre_backward_hook(self, name, once=True, strong=strong, keeper=keeper)
             for t in tensors:
                 t.register_hook(hook)
             return output
-        hook = _pre_backward_hook(self, name, strong=True) if strong else self._pre_backward_hooks[name]
+        if strong or keeper is not None:
+            hook = _pre_backward_hook(self, name, strong=strong, keeper=keeper)
+        else:
+            hook = self._pre_backward_hooks[name]
         if len(tensors) == 1:
             tensors[0].register_hook(hook)
         else:
@@ -429,7 +434,9 @@ class Step:
         _remove(self.hook_handles)
         self._leave_forward()
 
-    def _leave_forward(self) -> None:
+    def _leave_forward(self) -> Any:
+        """Leave the forward; returns what must live as long as the root output's backward hook (``Fused``: the
+        graph's parameter views, held by the graph, not by the step)."""
         self.in_forward = False
         self.relay.end_forward()
         if self.no_backward:
@@ -438,16 +445,17 @@ class Step:
             self.swap_out(name)
             self.binding.rest(name, None)
             self.nodes.loosen(name)
+        return self.fused.end_forward()
 
     def close_forward(self, out: Any) -> Any:
         """The module's forward returned ``out``: finish the forward, hook ``out`` for backward."""
         plan = self.plan
-        self._leave_forward()
+        keeper = self._leave_forward()
         self.reshard_after_forward(ROOT)
         self.end_forward()
         if plan.order_differs(self.prefetcher.order):
             _warn_order(plan, self.facts, self.prefetcher.order)
-        out = self.wrap_for_backward(ROOT, out)
+        out = self.wrap_for_backward(ROOT, out, keeper)
         dtype = plan.groups[0].output_dtype
         return out if dtype is None else cast_floating(dtype, out)
 
@@ -465,6 +473,28 @@ def _warn_order(plan: Plan, facts: _PlanFacts, order: list[str]) -> None:
     )
 
 
+def buffer_update_error(plan: Plan, error: BaseException) -> RuntimeError | None:
+    """The error to raise instead of ``error`` from the module's forward, if any: torch.func's refusal of an
+    in-place buffer update, explained."""
+    if isinstance(error, RuntimeError) and "mutate a captured Tensor" in str(error) and get_interpreter_stack():
+        return RuntimeError(_buffer_update_message(plan))
+    return None
+
+
+def _buffer_update_message(plan: Plan) -> str:
+    """torch.func refused an in-place update of a captured tensor in the module's forward: in practice a buffer
+    (BatchNorm's running statistics in train mode). Buffers are the module's own, not part of the state."""
+    bufs = [n for n, b in plan.module.named_buffers() if b.is_floating_point()]
+    shown = f"{bufs[:6]}{' ...' if len(bufs) > 6 else ''}" if bufs else "none found"
+    return ("funcshard.apply: the module updated a tensor in place that the torch.func transform did not get as an "
+            f"input (torch: 'mutate a captured Tensor'), in practice a buffer (its floating buffers: {shown}), e.g. "
+            "BatchNorm's running statistics in train mode. Buffers are not part of funcshard's state: they stay the "
+            "module's own (not sharded, not synced across ranks, not saved by funcshard.checkpoint), and "
+            "torch.func cannot update them. Fix: train with funcshard.value_and_grad or loss.backward() (plain "
+            "autograd: the module updates its buffers as it would on its own), or put those modules in eval mode "
+            "(or build them with track_running_stats=False) under torch.func")
+
+
 @runtime_boundary  # (also weakref.finalize's callback: it may run at any allocation, inside compiled code too)
 def _remove(handles: list) -> None:
     for h in handles:
@@ -477,9 +507,10 @@ def _single_grad_level() -> bool:
     return stack is not None and len(stack) == 1 and stack[0].key() == TransformType.Grad
 
 
-def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False):
+def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool = False, keeper: list | None = None):
     # Weakly held: the step keeps its hooks. The autograd graph keeps the step alive through its gather nodes while
-    # a backward can come; ``strong``: a hook the step does not keep holds it (for a group without such a node).
+    # a backward can come; ``strong``: a hook the step does not keep holds it (for a group without such a node);
+    # ``keeper``: a fused forward's views (Fused.end_forward), held by the hook for as long as the graph holds it.
     ref = (lambda: step) if strong else weakref.ref(step)
     fired = [None]  # the backward (graph task) in which a once-per-call hook last fired
 
@@ -498,7 +529,10 @@ def _pre_backward_hook(step: Step, name: str, once: bool = False, strong: bool =
             return grad.detach()
         return None  # the gradient passes unchanged
 
-    return runtime_boundary(hook)
+    hook.keeper = keeper  # (held for as long as autograd holds the hook)
+    wrapped = runtime_boundary(hook)
+    wrapped.keeper = keeper
+    return wrapped
 
 
 def _make_pre_hook(step: Step, name: str):

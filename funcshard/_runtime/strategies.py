@@ -11,10 +11,13 @@
 - ``Fused`` (under a ``torch.func`` grad transform): one ``_StepGather`` for the whole step (each
   ``autograd.Function`` call costs ~1 ms there). Each parameter is used through a view whose gradient hook collects
   its gradient and hands autograd back zeros without storage; the group's last hook runs the post-backward;
-  ``_StepGather``'s backward, at the end of backward, returns the reduce-scattered shards.
+  ``_StepGather``'s backward, at the end of backward, returns the reduce-scattered shards. After the forward the
+  hooked views are held by a *keeper* that only the pre-backward hooks on the groups' outputs hold (the upper part
+  of the graph), so they live exactly as long as a backward can reach them, and the Step holds them weakly.
 
 The graph keeps its Step alive (each node's context holds it); the Step never keeps the graph alive past the
-forward or backward that uses it: a reference cycle through autograd nodes, which Python's collector cannot break.
+forward or backward that uses it: a reference cycle through autograd nodes, which Python's collector cannot break
+(a ``torch.func.vjp`` whose ``vjp_fn`` is never called would keep the Step and its gathered groups forever).
 """
 
 from __future__ import annotations
@@ -300,10 +303,12 @@ class Fused(Part):
         super().__init__(step)
         self.groups = {name: _FusedState() for name in step.groups}
         self._zeros: dict = {}
+        self.keeper: list | None = None  # during forward: where the hooked views go when it ends (end_forward)
 
     def begin(self) -> None:
         """_StepGather over every group's shards; each group's slice of its outputs."""
         step = self.step
+        self.keeper = []
         outs = _StepGather.apply(step, *self.inputs())
         k = 0
         for name, gb in step.groups.items():
@@ -336,6 +341,21 @@ class Fused(Part):
                 views.append(None)
         return tuple(views)
 
+    def end_forward(self) -> list | None:
+        """The forward is done: the step lets go of the graph. The hooked views go to the keeper (returned; None when
+        this forward was not fused), which the pre-backward hooks on the groups' outputs hold (``wrap_for_backward``);
+        the step keeps weak references, which ``_expected`` reads in backward."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is None:
+            return None
+        for name, fs in self.groups.items():
+            if fs.hooked is not None and not any(isinstance(v, weakref.ref) for v in fs.hooked):
+                keeper.extend(v for v in fs.hooked if v is not None)
+                fs.hooked = tuple(None if v is None else weakref.ref(v) for v in fs.hooked)
+            fs.outs = None
+            self.step.binding.groups[name].views = None
+        return keeper
+
     def param_grad(self, name: str, i: int, grad: torch.Tensor) -> torch.Tensor:
         """One parameter's complete gradient. The group's last one runs its post-backward; the gradient goes on to
         _StepGather's backward as zeros without storage, so the full gradients are freed as soon as the
@@ -350,10 +370,14 @@ class Fused(Part):
         fs.grads[i] = grad
         fs.got += 1
         if fs.got == fs.expect:
-            fs.ran = [g is not _UNSET for g in fs.grads]
-            grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
-            fs.grad_shards = self.step.post_backward(name, grads)
-        return None if grad is None else self._zeros_like(grad)  # None: undefined (e.g. a custom Function's)
+            self._complete(name, fs)
+        return None if grad is None else self._zeros_like(grad)
+
+    def _complete(self, name: str, fs: _FusedState) -> None:
+        """The group's gradients of this backward are all in: its post-backward."""
+        fs.ran = [g is not _UNSET for g in fs.grads]
+        grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
+        fs.grad_shards = self.step.post_backward(name, grads)  # None: undefined (e.g. a custom Function's)
 
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
@@ -403,6 +427,8 @@ class Fused(Part):
         for name, gb in self.step.groups.items():
             if gb.shards:
                 fs = self.groups[name]
+                if fs.task == task and fs.grads is not None:  # fewer gradients came than _expected counted
+                    self._complete(name, fs)
                 done = fs.grad_shards is not None and fs.task == task
                 out.extend(fs.grad_shards if done else [None] * len(gb.shards))
                 fs.grad_shards = None
