@@ -254,16 +254,17 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
             for k, s in specs.items():
                 sd[OPTIM]["state"][k][name] = present(s, tree[k], mesh, rank)
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
-    mark(specs.values(), state.values())
+    if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
+        steps = {float(v["step"]) for v in sd[OPTIM]["state"].values()}
+        if len(steps) != 1:
+            raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ "
+                                f"({sorted(steps)}); funcshard.optim keeps one count for all")
     with torch.no_grad():
         for k, b in buffers.items():
             b.copy_(new_buffers[k])
+    mark(specs.values(), state.values())
     if opt_state is None:
         return state
-    steps = {float(v["step"]) for v in sd[OPTIM]["state"].values()}
-    if len(steps) != 1:
-        raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ ({sorted(steps)}); "
-                            f"funcshard.optim keeps one count for all")
     step = int(steps.pop())
     for tree in filled.values():
         mark(specs.values(), tree.values())

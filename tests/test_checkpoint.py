@@ -503,6 +503,7 @@ class _Scaled(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(5, 2))
         self.scale = torch.nn.Parameter(torch.tensor(2.5))
+        self.register_buffer("stat", torch.randn(3))
 
     def forward(self, x):
         return x @ self.w * self.scale
@@ -555,3 +556,29 @@ def test_zero_dim_parameter_round_trips(tmp_path):
             assert got["count"] == want["count"] == 1
             assert got["params"]["scale"].shape == ()
             assert _same(want, got) == 0.0, (world, saved_world, saved_layout, layout)
+
+
+# ---- a failed load changes nothing (the module's buffers included) --------------------------------------------
+
+
+def _steps_differ(path):
+    plan, tx, state, opt_state = _scaled_state(0, "per_param")
+    sd = checkpoint.state_dict(plan, state, opt_state, tx=tx)
+    sd["optim"]["state"]["w"]["step"] = torch.tensor(3.0)  # one parameter's count unlike the others'
+    dcp.save(sd, checkpoint_id=path)
+    plan, tx, state, opt_state = _scaled_state(1, "per_param")
+    before = plan.module.stat.clone()
+    try:
+        checkpoint.load(plan, path, opt_state=opt_state)
+        error = "loaded"
+    except funcshard.ShardingError as e:
+        error = str(e)
+    return error, torch.equal(before, plan.module.stat)
+
+
+def test_failed_load_leaves_buffers(tmp_path):
+    """Before: the module's buffers were copied from the checkpoint before the optimizer steps were checked, so a
+    refused load had changed them. Now every check runs before the first copy."""
+    for error, untouched in run_ranks(2, _steps_differ, str(tmp_path / "ckpt")):
+        assert re.search(r"the parameters' optimizer steps differ \(\[1\.0, 3\.0\]\)", error), error
+        assert untouched
