@@ -26,7 +26,7 @@ import torch
 
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
-from funcshard._checkpoint_safetensors import Reader, Writer
+from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import gather_tangents
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
@@ -292,18 +292,52 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
     is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
     never the whole model.
+
+    The file is written to ``<to>.tmp`` and renamed to ``to`` once complete, so an export that fails or is
+    interrupted leaves the previous file as it was. Dtypes safetensors cannot name are refused on every rank before
+    the first collective; should the writing rank fail later (the disk, the callable), it keeps taking part in the
+    all-gathers and every rank raises at the end (the others a ``ShardingError`` carrying its error).
     """
+    import os
+
     import torch.distributed as dist
 
     check_state(plan, state)
     me, pg = _rank(plan), plan.mesh.get_group(plan.shard_axis)
     lay, buffers = full_layouts(plan), _buffers(plan)
-    emit, writer = (to if callable(to) else None), None
-    if me == rank and not callable(to):
-        entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
-        entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
-        writer = Writer(to, entries, {"format": "pt"})
-        emit = writer.write
+    entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
+    entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
+    if not callable(to):
+        check_dtypes(entries)  # on every rank: all raise alike, before any collective
+    tmp = None if callable(to) else f"{to}.tmp"
+    failed: BaseException | None = None
+    writer: Writer | None = None
+
+    def attempt(fn: Callable, *args) -> None:
+        nonlocal failed
+        if failed is None:
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - kept, raised after the collectives (no rank left waiting)
+                failed = e
+
+    def start() -> None:
+        nonlocal writer
+        writer = Writer(tmp, entries, {"format": "pt"})
+
+    def put(name: str, t: torch.Tensor) -> None:
+        (to if tmp is None else writer.write)(name, t)
+
+    def emit(name: str, t: torch.Tensor) -> None:
+        attempt(put, name, t)
+
+    def commit() -> None:
+        writer.finish()
+        os.replace(tmp, to)
+
+    if me == rank and tmp is not None:
+        attempt(start)
+
     try:
         for g in plan.groups:
             if g.params:
@@ -315,10 +349,23 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
         if me == rank:
             for k, b in buffers.items():
                 emit(k, b.detach())
+            if tmp is not None:
+                attempt(commit)
     finally:
         if writer is not None:
             writer.close()
-    dist.barrier(group=pg)  # the file is complete on every rank's return
+        if tmp is not None and me == rank and os.path.exists(tmp):
+            os.remove(tmp)  # what a failed export wrote; ``to`` is the previous file
+    # the writer's outcome on every rank (and the file complete on every rank's return)
+    flag = torch.tensor([failed is not None], dtype=torch.int32, device=device_of(plan.mesh))
+    dist.all_reduce(flag, group=pg)
+    if flag.item():
+        msg = [f"{type(failed).__name__}: {failed}" if failed is not None else None]
+        dist.broadcast_object_list(msg, src=dist.get_global_rank(pg, rank), group=pg)
+        if failed is not None:
+            raise failed
+        raise ShardingError(f"export_full: the writing rank ({rank} of axis {plan.shard_axis}) failed, "
+                            f"{'the previous file is kept' if tmp else 'the callable stopped'}: {msg[0]}")
 
 
 def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:

@@ -582,3 +582,69 @@ def test_failed_load_leaves_buffers(tmp_path):
     for error, untouched in run_ranks(2, _steps_differ, str(tmp_path / "ckpt")):
         assert re.search(r"the parameters' optimizer steps differ \(\[1\.0, 3\.0\]\)", error), error
         assert untouched
+
+
+# ---- export_full failing on the writing rank: every rank raises, no deadlock, the previous file kept ------------
+
+
+class _Odd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+        self.register_buffer("ids", torch.zeros(3, dtype=torch.uint16))  # safetensors has no name for uint16
+
+
+def _export_failures(path):
+    import funcshard._checkpoint_safetensors as st
+
+    errors = {}
+    plan = funcshard.plan(_Odd(), _mesh())
+    try:
+        checkpoint.export_full(plan, funcshard.shard(plan), path)
+    except TypeError as e:
+        errors["dtype"] = str(e)
+    plan, _, state, _ = _scaled_state(0, "per_param")
+    write, count = st.Writer.write, [0]
+
+    def dying(self, name, t):  # the disk fails after the first tensor, on the writing rank only (rank 1 here)
+        count[0] += 1
+        if count[0] == 2:
+            raise OSError(28, "No space left on device")
+        write(self, name, t)
+
+    st.Writer.write = dying
+    try:
+        checkpoint.export_full(plan, state, path, rank=1)
+    except (OSError, funcshard.ShardingError) as e:
+        errors["disk"] = f"{type(e).__name__}: {e}"
+    finally:
+        st.Writer.write = write
+
+    def callback(name, t):
+        raise ValueError(f"refusing {name}")
+
+    try:
+        checkpoint.export_full(plan, state, callback)  # (called on rank 0 only)
+    except (ValueError, funcshard.ShardingError) as e:
+        errors["callback"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_export_full_failure_on_the_writer(tmp_path):
+    """Before: a dtype safetensors cannot name was found on the writing rank only, which raised while the others
+    waited in the next all-gather (a deadlock until gloo's timeout); the file was truncated at once; close()
+    raised over the real error. Now the dtype check runs on every rank first, a later failure of the writer is
+    raised on every rank after the all-gathers, and the previous file is kept (the export goes to <path>.tmp)."""
+    import os
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the previous export")
+    rank0, rank1 = run_ranks(2, _export_failures, str(path), timeout=50)
+    for errors in (rank0, rank1):
+        assert re.search(r"safetensors has no name for the dtypes of ids: torch.uint16", errors["dtype"]), errors
+    assert rank1["disk"] == "OSError: [Errno 28] No space left on device", rank1
+    assert re.search(r"ShardingError: export_full: the writing rank \(1 of axis 0\) failed, the previous file is "
+                     r"kept: OSError: \[Errno 28\] No space left on device", rank0["disk"]), rank0
+    assert rank0["callback"] == "ValueError: refusing w", rank0
+    assert re.search(r"ShardingError: .*the callable stopped: ValueError: refusing w", rank1["callback"]), rank1
+    assert path.read_bytes() == b"the previous export" and os.listdir(tmp_path) == ["model.safetensors"]
