@@ -97,7 +97,8 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     Each value is a DTensor of the parameter's global shape over the shard (no copy: ``dcp.load`` into it writes
     into ``state`` and ``opt_state``); see the module docstring for the keys. ``tx``: the optimizer, for
     ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
-    ``get_optimizer_state_dict`` asks for on load.
+    ``get_optimizer_state_dict`` asks for on load: required with ``opt_state`` (a ``TypeError`` without it); a
+    ``tx`` that is not one of torch's optimizers writes none (such a checkpoint loads with :func:`load` only).
     """
     return _state_dict(plan, state, opt_state, tx)
 
@@ -115,6 +116,10 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
     model.update((k, take(b)) for k, b in _buffers(plan).items())
     out: dict[str, Any] = {MODEL: model}
     if opt_state is not None:
+        if tx is None:
+            raise TypeError("checkpoint.save / state_dict of an opt_state needs tx= (the optimizer, e.g. "
+                            "optim.adamw(...)): its torch hyperparameters are saved as optim.param_groups, without "
+                            "which torch's set_optimizer_state_dict (FSDP2) cannot load the checkpoint")
         trees, step = _per_param(plan, opt_state)
         per = {k: {"step": torch.tensor(float(step))} for k in specs}
         for _, part, field, name in trees:

@@ -154,7 +154,7 @@ def _plain_dcp(path):
             errors[name] = "saved"
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) wraps each rank's
             errors[name] = str(e)
-    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/good")
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/good", tx=tx)
     try:
         dcp.load(state, checkpoint_id=f"{path}/good")  # the keys are "model.<path>" there: nothing fits
         errors["load"] = "loaded"
@@ -200,7 +200,7 @@ def _other_models(path):
     tx = _tx()
     state = funcshard.shard(plan)
     opt_state = tx.init(state)
-    checkpoint.save(plan, state, opt_state, checkpoint_id=path)
+    checkpoint.save(plan, state, opt_state, checkpoint_id=path, tx=tx)
     errors = {}
     others = {
         "mlp": funcshard.plan(MLP(), _mesh()),
@@ -648,3 +648,28 @@ def test_export_full_failure_on_the_writer(tmp_path):
     assert rank0["callback"] == "ValueError: refusing w", rank0
     assert re.search(r"ShardingError: .*the callable stopped: ValueError: refusing w", rank1["callback"]), rank1
     assert path.read_bytes() == b"the previous export" and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def _without_tx(path):
+    plan, tx, state, opt_state = _scaled_state(0, "per_param")
+    errors = {}
+    for name, call in (("save", lambda: checkpoint.save(plan, state, opt_state, checkpoint_id=path)),
+                       ("state_dict", lambda: checkpoint.state_dict(plan, state, opt_state))):
+        try:
+            call()
+            errors[name] = "done"
+        except TypeError as e:
+            errors[name] = str(e)
+    import os
+
+    return errors, os.path.exists(path) or os.path.exists(f"{path}.saving")
+
+
+def test_optimizer_state_without_tx_is_refused(tmp_path):
+    """Before: saved without optim.param_groups, which FSDP2's dcp.load then missed ('Missing key
+    optim.param_groups.0.lr'). Now refused, naming the fix, before anything is written."""
+    errors, written = run_ranks(2, _without_tx, str(tmp_path / "ckpt"))[0]
+    for name in ("save", "state_dict"):
+        assert re.search(r"of an opt_state needs tx= \(the optimizer, e\.g\. optim\.adamw\(\.\.\.\)\): .* without "
+                         r"which torch's set_optimizer_state_dict \(FSDP2\) cannot load", errors[name]), errors
+    assert not written
