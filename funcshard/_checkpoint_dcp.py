@@ -44,8 +44,8 @@ def _refuse(name: str):
             f"local {tuple(t.shape)} of global {spec.shape} over {spec.world} ranks); DCP would take the ranks' "
             f"different shards for replicas and keep one rank's. Save and load funcshard state with "
             f"funcshard.checkpoint.save(plan, state, opt_state, checkpoint_id=..., tx=tx) / "
-            f"funcshard.checkpoint.load(...), "
-            f"or put funcshard.checkpoint.state_dict(plan, state, opt_state, tx=tx) (global DTensors) in your DCP state dict"
+            f"funcshard.checkpoint.load(...), or put funcshard.checkpoint.state_dict(plan, state, opt_state, tx=tx) "
+            f"(global DTensors) in your DCP state dict"
         )
 
     def set(t: torch.Tensor, value) -> None:
