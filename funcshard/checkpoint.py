@@ -79,15 +79,24 @@ def _per_param(plan: Plan, opt_state: Any) -> tuple[list[tuple[str, Any, str, st
             continue
         for field, name in names:
             tree = getattr(part, field)
-            if not isinstance(tree, Mapping) or set(tree) != set(plan.specs):
-                raise ShardingError(f"{where}.{field} is not a dict keyed like the plan's parameters; pass the "
-                                    f"optimizer state of this plan's state (tx.init(state))")
+            if not isinstance(tree, Mapping) or not set(tree) <= set(plan.specs):
+                raise ShardingError(f"{where}.{field} is not a dict keyed by the plan's parameters (all, or the "
+                                    f"trained ones); pass the optimizer state of this plan's state (tx.init(state))")
             if any(n == name for _, _, _, n in out):
                 raise ShardingError(f"{where}: two optimizer states would be saved as {name!r}")
             out.append((where, part, field, name))
     if len(counts) > 1:
         raise ShardingError(f"opt_state holds different step counts {sorted(counts)}; pass one optimizer's state")
     return out, counts.pop() if counts else 0
+
+
+def _held(plan: Plan, opt_state: Any, trees: list) -> list[str]:
+    """The parameters (plan order) the optimizer state holds trees for: all of them, or a subset (frozen ones left
+    out, as torch's optimizers leave out parameters they were not given); with no tree (plain SGD), every one."""
+    if not trees:
+        return list(plan.specs)
+    keys = {k for _, part, field, _ in trees for k in getattr(part, field)}
+    return [k for k in plan.specs if k in keys]
 
 
 def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *,
@@ -121,16 +130,17 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
                             "optim.adamw(...)): its torch hyperparameters are saved as optim.param_groups, without "
                             "which torch's set_optimizer_state_dict (FSDP2) cannot load the checkpoint")
         trees, step = _per_param(plan, opt_state)
-        per = {k: {"step": torch.tensor(float(step))} for k in specs}
+        held = _held(plan, opt_state, trees)  # the parameters with optimizer state (FSDP2: the trained ones)
+        per = {k: {"step": torch.tensor(float(step))} for k in held}
         for _, part, field, name in trees:
             tree = getattr(part, field)
-            check_state(plan, tree, what=f"optimizer state {field}")
-            for k, s in specs.items():
-                per[k][name] = present(s, take(tree[k]), mesh, rank)
+            check_state(plan, {**state, **tree}, what=f"optimizer state {field}")  # (a subset: the rest is state)
+            for k in tree:
+                per[k][name] = present(specs[k], take(tree[k]), mesh, rank)
         out[OPTIM] = {"state": per}
         group = getattr(tx, "torch_param_group", None)
         if group is not None:
-            out[OPTIM]["param_groups"] = [{**group(step), "params": list(specs)}]
+            out[OPTIM]["param_groups"] = [{**group(step), "params": held}]
     return out
 
 
@@ -208,7 +218,11 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
 
     Returns ``state``, or ``(state, opt_state)`` when ``opt_state`` is given: a template saying the optimizer
     state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
-    checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``). The checkpoint is checked
+    checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``; a checkpoint without steps, as
+    torch's SGD writes, gives 1 where it holds momentum buffers, 0 where not: torch keeps a learning-rate schedule's
+    count in its scheduler, so a schedule restarts there). The template's moment trees may hold a subset of the
+    parameters (frozen ones left out, as torch's optimizers keep no state for parameters they were not given);
+    only their state is read. The checkpoint is checked
     against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
     every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check). A
     directory whose save did not commit (``<path>.saving``, or one without DCP's ``.metadata``) is refused.
@@ -233,12 +247,19 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     problems += [f"  {k}: in the checkpoint, not a parameter or buffer of the planned module (extra key)"
                  for k in md if k.startswith(f"{MODEL}.") and k not in known]
     trees: list = []
+    stepped: list[str] = []  # the parameters whose step the checkpoint holds (torch's SGD saves none)
     if opt_state is not None:
         trees, _ = _per_param(plan, opt_state)
-        for k, s in specs.items():
+        held = _held(plan, opt_state, trees)
+        stepped = [k for k in held if f"{OPTIM}.state.{k}.step" in md]
+        if stepped and len(stepped) < len(held):
+            problems += [f"  {OPTIM}.state.{k}.step: missing (the checkpoint has it for {stepped[0]})"
+                         for k in held if k not in stepped]
+        for k in stepped:
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
-            for *_, name in trees:
-                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", s.shape, s.dtype)
+        for _, part, field, name in trees:
+            for k in getattr(part, field):
+                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", specs[k].shape, specs[k].dtype)
     if problems:
         raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
                     "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
@@ -253,14 +274,15 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     sd[MODEL].update(new_buffers)
     filled: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     if opt_state is not None:
-        sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in specs}}
+        sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in stepped}}
         for _, part, field, name in trees:
-            tree = filled[id(part), field] = {k: fresh(s) for k, s in specs.items()}
-            for k, s in specs.items():
-                sd[OPTIM]["state"][k][name] = present(s, tree[k], mesh, rank)
+            tree = filled[id(part), field] = {k: fresh(specs[k]) for k in getattr(part, field)}
+            for k in tree:
+                sd[OPTIM]["state"].setdefault(k, {})[name] = present(specs[k], tree[k], mesh, rank)
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
     if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
-        steps = {float(v["step"]) for v in sd[OPTIM]["state"].values()}
+        # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
+        steps = {float(sd[OPTIM]["state"][k]["step"]) for k in stepped} or {1.0 if trees else 0.0}
         if len(steps) != 1:
             raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ "
                                 f"({sorted(steps)}); funcshard.optim keeps one count for all")

@@ -50,8 +50,9 @@ def _batch(step):
     return rows[:, :-1], rows[:, 1:]
 
 
-def _train(plan, tx, state, opt_state, steps, start=0):
-    """``steps`` functional steps (funcshard.optim.step); returns the global mean losses and the new state."""
+def _train(plan, tx, state, opt_state, steps, start=0, frozen=()):
+    """``steps`` functional steps (funcshard.optim.step); returns the global mean losses and the new state. The
+    ``frozen`` parameters have no optimizer state and are never updated."""
     losses = []
 
     def loss_fn(s, x, y):
@@ -60,7 +61,9 @@ def _train(plan, tx, state, opt_state, steps, start=0):
 
     for i in range(start, start + steps):
         loss, grads = funcshard.value_and_grad(loss_fn)(state, *_batch(i))
-        state, opt_state = optim.step(tx, grads, opt_state, state)
+        trained, opt_state = optim.step(tx, {k: g for k, g in grads.items() if k not in frozen}, opt_state,
+                                        {k: v for k, v in state.items() if k not in frozen})
+        state = {**state, **trained}
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
@@ -275,9 +278,17 @@ def _fsdp2_state_dict(model, opt):
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
 
-def _interop(path):
+def _load_fsdp2(model, opt, path):
+    """Load a checkpoint into torch's FSDP2 model and optimizer, as torch's users do."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    sd = _fsdp2_state_dict(model, opt)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _interop(path):
     out = {}
     # torch's FSDP2 writes; funcshard resumes
     model, opt = _fsdp2(0)
@@ -296,10 +307,7 @@ def _interop(path):
     checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/funcshard", tx=tx)
     reference = _train(plan, tx, state, opt_state, STEPS, start=2)[0]
     model, opt = _fsdp2(1)
-    sd = _fsdp2_state_dict(model, opt)
-    dcp.load(sd, checkpoint_id=f"{path}/funcshard")
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
+    _load_fsdp2(model, opt, f"{path}/funcshard")
     out["funcshard->torch"] = reference, _train_fsdp2(model, opt, STEPS, start=2)
     return out
 
@@ -673,3 +681,56 @@ def test_optimizer_state_without_tx_is_refused(tmp_path):
         assert re.search(r"of an opt_state needs tx= \(the optimizer, e\.g\. optim\.adamw\(\.\.\.\)\): .* without "
                          r"which torch's set_optimizer_state_dict \(FSDP2\) cannot load", errors[name]), errors
     assert not written
+
+
+# ---- torch's SGD (no step saved) and frozen parameters (no optimizer state), both ways --------------------------
+
+
+def _fsdp2_sgd_frozen(seed):
+    import torch.distributed.fsdp as torch_fsdp
+
+    model = _gpt(seed)
+    model.pos.requires_grad_(False)
+    for b in model.blocks:
+        torch_fsdp.fully_shard(b, mesh=_mesh())
+    torch_fsdp.fully_shard(model, mesh=_mesh())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.SGD(trained, lr=0.1, momentum=0.9, foreach=True)
+
+
+def _sgd_frozen_interop(path):
+    out = {}
+    tx = optim.sgd(lr=0.1, momentum=0.9)
+    model, opt = _fsdp2_sgd_frozen(0)
+    _train_fsdp2(model, opt, 2)
+    sd = _fsdp2_state_dict(model, opt)
+    out["torch keys"] = sorted(sd["optim"]["state"]["tok.weight"]), "pos" in sd["optim"]["state"]
+    dcp.save(sd, checkpoint_id=f"{path}/torch")
+    reference = _train_fsdp2(model, opt, STEPS, start=2)
+    plan = _plan(_gpt(seed=1))
+    template = tx.init({k: v for k, v in funcshard.shard(plan).items() if k != "pos"})
+    state, opt_state = checkpoint.load(plan, f"{path}/torch", opt_state=template)
+    out["torch->funcshard"] = reference, _train(plan, tx, state, opt_state, STEPS, start=2, frozen=("pos",))[0]
+
+    plan = _plan(_gpt())
+    state = funcshard.shard(plan)
+    _, state, opt_state = _train(plan, tx, state, tx.init({k: v for k, v in state.items() if k != "pos"}), 2,
+                                 frozen=("pos",))
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/funcshard", tx=tx)
+    reference = _train(plan, tx, state, opt_state, STEPS, start=2, frozen=("pos",))[0]
+    model, opt = _fsdp2_sgd_frozen(1)
+    _train_fsdp2(model, opt, 1)  # (torch's SGD has momentum buffers to load into only after a step)
+    _load_fsdp2(model, opt, f"{path}/funcshard")
+    out["funcshard->torch"] = reference, _train_fsdp2(model, opt, STEPS, start=2)
+    return out
+
+
+def test_fsdp2_sgd_with_frozen_parameter_cross_loads(tmp_path):
+    """Before: load required optim.state.<path>.step for every parameter, which torch's SGD does not save, and
+    optimizer state for every parameter, which torch keeps only for the ones it trains. Now torch's SGD(momentum)
+    with a frozen ``pos`` and funcshard's sgd over the trained parameters cross-load both ways; training continues
+    with the uninterrupted run's losses bit for bit."""
+    out = run_ranks(2, _sgd_frozen_interop, str(tmp_path))[0]
+    assert out.pop("torch keys") == (["momentum_buffer"], False)
+    for name, (reference, resumed) in out.items():
+        assert reference == resumed, (name, reference, resumed)
