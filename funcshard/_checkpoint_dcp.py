@@ -43,8 +43,9 @@ def _refuse(name: str):
             f"torch.distributed.checkpoint got a funcshard local shard as a plain tensor (a shard of {spec.fqn}: "
             f"local {tuple(t.shape)} of global {spec.shape} over {spec.world} ranks); DCP would take the ranks' "
             f"different shards for replicas and keep one rank's. Save and load funcshard state with "
-            f"funcshard.checkpoint.save(plan, state, opt_state, checkpoint_id=...) / funcshard.checkpoint.load(...), "
-            f"or put funcshard.checkpoint.state_dict(plan, state, opt_state) (global DTensors) in your DCP state dict"
+            f"funcshard.checkpoint.save(plan, state, opt_state, checkpoint_id=..., tx=tx) / "
+            f"funcshard.checkpoint.load(...), or put funcshard.checkpoint.state_dict(plan, state, opt_state, tx=tx) "
+            f"(global DTensors) in your DCP state dict"
         )
 
     def set(t: torch.Tensor, value) -> None:
@@ -116,9 +117,12 @@ def present(spec: ShardSpec, local: torch.Tensor, mesh, rank: int):
     whose placement DCP does not read (only the protocol: what it writes and where loads go)."""
     from torch.distributed.tensor import Replicate
 
-    genuine = spec.flat is None and spec.shape
-    out = spec.dtensor(spec.valid_part(local, rank), mesh) if genuine else spec.dtensor(
-        local.view(local.shape), mesh, (Replicate(),) * mesh.ndim)
+    if spec.flat is None and spec.shape:
+        out = spec.dtensor(spec.valid_part(local, rank), mesh)
+    else:  # a new tensor object (the protocol is set on it, not on ``local``); a flat piece without a 0-dim
+        # parameter's element is empty: a 0-dim stand-in (no box on this rank: DCP reads and writes nothing there)
+        carrier = local.view(local.shape) if spec.shape or local.numel() else local.new_zeros(())
+        out = spec.dtensor(carrier, mesh, (Replicate(),) * mesh.ndim)
     placed = _Placed(spec, local, rank)
     carried = dtensor_local(out)  # the DTensor's own local tensor: DTensor hands DCP's calls to it
     carried.__create_write_items__ = placed.write_items

@@ -29,14 +29,24 @@ def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def check_dtypes(entries: Iterable[tuple[str, tuple, torch.dtype]]) -> None:
+    """Raise a TypeError naming every entry [(name, shape, dtype)] whose dtype safetensors has no name for."""
+    bad = [f"{name}: {dtype}" for name, _, dtype in entries if dtype not in DTYPES]
+    if bad:
+        raise TypeError(f"safetensors has no name for the dtypes of {', '.join(bad)} (it has "
+                        f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}); convert them first, or pass "
+                        f"a callable to receive the tensors instead of a path")
+
+
 class Writer:
-    """Writes the header for ``entries`` [(name, shape, dtype)] at once; then ``write(name, tensor)`` in that order."""
+    """Writes the header for ``entries`` [(name, shape, dtype)] at once; then ``write(name, tensor)`` in that order;
+    ``finish()`` checks all were written and closes (``close()`` only closes: safe while an exception unwinds)."""
 
     def __init__(self, path: str, entries: Iterable[tuple[str, tuple, torch.dtype]], metadata: dict | None = None):
+        entries = list(entries)
+        check_dtypes(entries)
         header, offset, self.order = {}, 0, []
         for name, shape, dtype in entries:
-            if dtype not in DTYPES:
-                raise TypeError(f"{name}: dtype {dtype} has no safetensors name ({sorted(DTYPES.values())})")
             n = _nbytes(shape, dtype)
             header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
@@ -57,11 +67,13 @@ class Writer:
         self.file.write(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
         self.next += 1
 
-    def close(self) -> None:
-        done = self.next == len(self.order)
+    def finish(self) -> None:
+        if self.next != len(self.order):
+            raise ValueError(f"safetensors writer: finished after {self.next} of {len(self.order)} tensors")
         self.file.close()
-        if not done:
-            raise ValueError(f"safetensors writer: closed after {self.next} of {len(self.order)} tensors")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class Reader:

@@ -197,11 +197,16 @@ class ShardSpec:
         """A DTensor of the global shape over ``local`` (no copy, no check): by default sharded on ``dim`` over the
         mesh's data-parallel axes (``_mesh.dp_placements``: ``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an
         HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
-        checkpoints present it."""
-        from torch.distributed.tensor import DTensor
+        checkpoints present it. A 0-dim parameter (sharded as a 1-element vector): a replicated 0-dim DTensor over
+        ``local`` viewed as 0-dim (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed)."""
+        from torch.distributed.tensor import DTensor, Replicate
 
         from funcshard._mesh import dp_placements  # (_mesh imports this module)
 
+        if not self.shape:
+            with torch.no_grad():
+                return DTensor.from_local(local.view(()), mesh, placements or (Replicate(),) * mesh.ndim,
+                                          run_check=False)
         shape = torch.Size(self.shape)
         stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
         with torch.no_grad():

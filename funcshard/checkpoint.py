@@ -26,7 +26,7 @@ import torch
 
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
-from funcshard._checkpoint_safetensors import Reader, Writer
+from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import gather_tangents
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
@@ -79,15 +79,24 @@ def _per_param(plan: Plan, opt_state: Any) -> tuple[list[tuple[str, Any, str, st
             continue
         for field, name in names:
             tree = getattr(part, field)
-            if not isinstance(tree, Mapping) or set(tree) != set(plan.specs):
-                raise ShardingError(f"{where}.{field} is not a dict keyed like the plan's parameters; pass the "
-                                    f"optimizer state of this plan's state (tx.init(state))")
+            if not isinstance(tree, Mapping) or not set(tree) <= set(plan.specs):
+                raise ShardingError(f"{where}.{field} is not a dict keyed by the plan's parameters (all, or the "
+                                    f"trained ones); pass the optimizer state of this plan's state (tx.init(state))")
             if any(n == name for _, _, _, n in out):
                 raise ShardingError(f"{where}: two optimizer states would be saved as {name!r}")
             out.append((where, part, field, name))
     if len(counts) > 1:
         raise ShardingError(f"opt_state holds different step counts {sorted(counts)}; pass one optimizer's state")
     return out, counts.pop() if counts else 0
+
+
+def _held(plan: Plan, opt_state: Any, trees: list) -> list[str]:
+    """The parameters (plan order) the optimizer state holds trees for: all of them, or a subset (frozen ones left
+    out, as torch's optimizers leave out parameters they were not given); with no tree (plain SGD), every one."""
+    if not trees:
+        return list(plan.specs)
+    keys = {k for _, part, field, _ in trees for k in getattr(part, field)}
+    return [k for k in plan.specs if k in keys]
 
 
 def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *,
@@ -97,7 +106,8 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     Each value is a DTensor of the parameter's global shape over the shard (no copy: ``dcp.load`` into it writes
     into ``state`` and ``opt_state``); see the module docstring for the keys. ``tx``: the optimizer, for
     ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
-    ``get_optimizer_state_dict`` asks for on load.
+    ``get_optimizer_state_dict`` asks for on load: required with ``opt_state`` (a ``TypeError`` without it); a
+    ``tx`` that is not one of torch's optimizers writes none (such a checkpoint loads with :func:`load` only).
     """
     return _state_dict(plan, state, opt_state, tx)
 
@@ -115,17 +125,22 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
     model.update((k, take(b)) for k, b in _buffers(plan).items())
     out: dict[str, Any] = {MODEL: model}
     if opt_state is not None:
+        if tx is None:
+            raise TypeError("checkpoint.save / state_dict of an opt_state needs tx= (the optimizer, e.g. "
+                            "optim.adamw(...)): its torch hyperparameters are saved as optim.param_groups, without "
+                            "which torch's set_optimizer_state_dict (FSDP2) cannot load the checkpoint")
         trees, step = _per_param(plan, opt_state)
-        per = {k: {"step": torch.tensor(float(step))} for k in specs}
+        held = _held(plan, opt_state, trees)  # the parameters with optimizer state (FSDP2: the trained ones)
+        per = {k: {"step": torch.tensor(float(step))} for k in held}
         for _, part, field, name in trees:
             tree = getattr(part, field)
-            check_state(plan, tree, what=f"optimizer state {field}")
-            for k, s in specs.items():
-                per[k][name] = present(s, take(tree[k]), mesh, rank)
+            check_state(plan, {**state, **tree}, what=f"optimizer state {field}")  # (a subset: the rest is state)
+            for k in tree:
+                per[k][name] = present(specs[k], take(tree[k]), mesh, rank)
         out[OPTIM] = {"state": per}
         group = getattr(tx, "torch_param_group", None)
         if group is not None:
-            out[OPTIM]["param_groups"] = [{**group(step), "params": list(specs)}]
+            out[OPTIM]["param_groups"] = [{**group(step), "params": held}]
     return out
 
 
@@ -203,7 +218,11 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
 
     Returns ``state``, or ``(state, opt_state)`` when ``opt_state`` is given: a template saying the optimizer
     state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
-    checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``). The checkpoint is checked
+    checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``; a checkpoint without steps, as
+    torch's SGD writes, gives 1 where it holds momentum buffers, 0 where not: torch keeps a learning-rate schedule's
+    count in its scheduler, so a schedule restarts there). The template's moment trees may hold a subset of the
+    parameters (frozen ones left out, as torch's optimizers keep no state for parameters they were not given);
+    only their state is read. The checkpoint is checked
     against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
     every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check). A
     directory whose save did not commit (``<path>.saving``, or one without DCP's ``.metadata``) is refused.
@@ -228,12 +247,19 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     problems += [f"  {k}: in the checkpoint, not a parameter or buffer of the planned module (extra key)"
                  for k in md if k.startswith(f"{MODEL}.") and k not in known]
     trees: list = []
+    stepped: list[str] = []  # the parameters whose step the checkpoint holds (torch's SGD saves none)
     if opt_state is not None:
         trees, _ = _per_param(plan, opt_state)
-        for k, s in specs.items():
+        held = _held(plan, opt_state, trees)
+        stepped = [k for k in held if f"{OPTIM}.state.{k}.step" in md]
+        if stepped and len(stepped) < len(held):
+            problems += [f"  {OPTIM}.state.{k}.step: missing (the checkpoint has it for {stepped[0]})"
+                         for k in held if k not in stepped]
+        for k in stepped:
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
-            for *_, name in trees:
-                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", s.shape, s.dtype)
+        for _, part, field, name in trees:
+            for k in getattr(part, field):
+                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", specs[k].shape, specs[k].dtype)
     if problems:
         raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
                     "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
@@ -248,22 +274,24 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     sd[MODEL].update(new_buffers)
     filled: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     if opt_state is not None:
-        sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in specs}}
+        sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in stepped}}
         for _, part, field, name in trees:
-            tree = filled[id(part), field] = {k: fresh(s) for k, s in specs.items()}
-            for k, s in specs.items():
-                sd[OPTIM]["state"][k][name] = present(s, tree[k], mesh, rank)
+            tree = filled[id(part), field] = {k: fresh(specs[k]) for k in getattr(part, field)}
+            for k in tree:
+                sd[OPTIM]["state"].setdefault(k, {})[name] = present(specs[k], tree[k], mesh, rank)
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
-    mark(specs.values(), state.values())
+    if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
+        # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
+        steps = {float(sd[OPTIM]["state"][k]["step"]) for k in stepped} or {1.0 if trees else 0.0}
+        if len(steps) != 1:
+            raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ "
+                                f"({sorted(steps)}); funcshard.optim keeps one count for all")
     with torch.no_grad():
         for k, b in buffers.items():
             b.copy_(new_buffers[k])
+    mark(specs.values(), state.values())
     if opt_state is None:
         return state
-    steps = {float(v["step"]) for v in sd[OPTIM]["state"].values()}
-    if len(steps) != 1:
-        raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ ({sorted(steps)}); "
-                            f"funcshard.optim keeps one count for all")
     step = int(steps.pop())
     for tree in filled.values():
         mark(specs.values(), tree.values())
@@ -291,18 +319,52 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
     is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
     never the whole model.
+
+    The file is written to ``<to>.tmp`` and renamed to ``to`` once complete, so an export that fails or is
+    interrupted leaves the previous file as it was. Dtypes safetensors cannot name are refused on every rank before
+    the first collective; should the writing rank fail later (the disk, the callable), it keeps taking part in the
+    all-gathers and every rank raises at the end (the others a ``ShardingError`` carrying its error).
     """
+    import os
+
     import torch.distributed as dist
 
     check_state(plan, state)
     me, pg = _rank(plan), plan.mesh.get_group(plan.shard_axis)
     lay, buffers = full_layouts(plan), _buffers(plan)
-    emit, writer = (to if callable(to) else None), None
-    if me == rank and not callable(to):
-        entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
-        entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
-        writer = Writer(to, entries, {"format": "pt"})
-        emit = writer.write
+    entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
+    entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
+    if not callable(to):
+        check_dtypes(entries)  # on every rank: all raise alike, before any collective
+    tmp = None if callable(to) else f"{to}.tmp"
+    failed: BaseException | None = None
+    writer: Writer | None = None
+
+    def attempt(fn: Callable, *args) -> None:
+        nonlocal failed
+        if failed is None:
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - kept, raised after the collectives (no rank left waiting)
+                failed = e
+
+    def start() -> None:
+        nonlocal writer
+        writer = Writer(tmp, entries, {"format": "pt"})
+
+    def put(name: str, t: torch.Tensor) -> None:
+        (to if tmp is None else writer.write)(name, t)
+
+    def emit(name: str, t: torch.Tensor) -> None:
+        attempt(put, name, t)
+
+    def commit() -> None:
+        writer.finish()
+        os.replace(tmp, to)
+
+    if me == rank and tmp is not None:
+        attempt(start)
+
     try:
         for g in plan.groups:
             if g.params:
@@ -314,10 +376,23 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
         if me == rank:
             for k, b in buffers.items():
                 emit(k, b.detach())
+            if tmp is not None:
+                attempt(commit)
     finally:
         if writer is not None:
             writer.close()
-    dist.barrier(group=pg)  # the file is complete on every rank's return
+        if tmp is not None and me == rank and os.path.exists(tmp):
+            os.remove(tmp)  # what a failed export wrote; ``to`` is the previous file
+    # the writer's outcome on every rank (and the file complete on every rank's return)
+    flag = torch.tensor([failed is not None], dtype=torch.int32, device=device_of(plan.mesh))
+    dist.all_reduce(flag, group=pg)
+    if flag.item():
+        msg = [f"{type(failed).__name__}: {failed}" if failed is not None else None]
+        dist.broadcast_object_list(msg, src=dist.get_global_rank(pg, rank), group=pg)
+        if failed is not None:
+            raise failed
+        raise ShardingError(f"export_full: the writing rank ({rank} of axis {plan.shard_axis}) failed, "
+                            f"{'the previous file is kept' if tmp else 'the callable stopped'}: {msg[0]}")
 
 
 def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:

@@ -50,8 +50,9 @@ def _batch(step):
     return rows[:, :-1], rows[:, 1:]
 
 
-def _train(plan, tx, state, opt_state, steps, start=0):
-    """``steps`` functional steps (funcshard.optim.step); returns the global mean losses and the new state."""
+def _train(plan, tx, state, opt_state, steps, start=0, frozen=()):
+    """``steps`` functional steps (funcshard.optim.step); returns the global mean losses and the new state. The
+    ``frozen`` parameters have no optimizer state and are never updated."""
     losses = []
 
     def loss_fn(s, x, y):
@@ -60,7 +61,9 @@ def _train(plan, tx, state, opt_state, steps, start=0):
 
     for i in range(start, start + steps):
         loss, grads = funcshard.value_and_grad(loss_fn)(state, *_batch(i))
-        state, opt_state = optim.step(tx, grads, opt_state, state)
+        trained, opt_state = optim.step(tx, {k: g for k, g in grads.items() if k not in frozen}, opt_state,
+                                        {k: v for k, v in state.items() if k not in frozen})
+        state = {**state, **trained}
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
@@ -154,7 +157,7 @@ def _plain_dcp(path):
             errors[name] = "saved"
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) wraps each rank's
             errors[name] = str(e)
-    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/good")
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/good", tx=tx)
     try:
         dcp.load(state, checkpoint_id=f"{path}/good")  # the keys are "model.<path>" there: nothing fits
         errors["load"] = "loaded"
@@ -200,7 +203,7 @@ def _other_models(path):
     tx = _tx()
     state = funcshard.shard(plan)
     opt_state = tx.init(state)
-    checkpoint.save(plan, state, opt_state, checkpoint_id=path)
+    checkpoint.save(plan, state, opt_state, checkpoint_id=path, tx=tx)
     errors = {}
     others = {
         "mlp": funcshard.plan(MLP(), _mesh()),
@@ -275,9 +278,17 @@ def _fsdp2_state_dict(model, opt):
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
 
-def _interop(path):
+def _load_fsdp2(model, opt, path):
+    """Load a checkpoint into torch's FSDP2 model and optimizer, as torch's users do."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    sd = _fsdp2_state_dict(model, opt)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _interop(path):
     out = {}
     # torch's FSDP2 writes; funcshard resumes
     model, opt = _fsdp2(0)
@@ -296,10 +307,7 @@ def _interop(path):
     checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/funcshard", tx=tx)
     reference = _train(plan, tx, state, opt_state, STEPS, start=2)[0]
     model, opt = _fsdp2(1)
-    sd = _fsdp2_state_dict(model, opt)
-    dcp.load(sd, checkpoint_id=f"{path}/funcshard")
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
+    _load_fsdp2(model, opt, f"{path}/funcshard")
     out["funcshard->torch"] = reference, _train_fsdp2(model, opt, STEPS, start=2)
     return out
 
@@ -493,3 +501,236 @@ def test_async_save_equals_sync_save(tmp_path):
     state at the call, and whose data files are byte for byte those of a synchronous save of that state."""
     for layout, (async_diff, sync_diff, same_bytes, files) in run_ranks(2, _async, str(tmp_path))[0].items():
         assert async_diff == 0.0 and sync_diff == 0.0 and same_bytes and files == 2, layout
+
+
+# ---- a 0-dim parameter (funcshard.plan shards it as a 1-element vector; the checkpoint holds its shape ()) ------
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 2))
+        self.scale = torch.nn.Parameter(torch.tensor(2.5))
+        self.register_buffer("stat", torch.randn(3))
+
+    def forward(self, x):
+        return x @ self.w * self.scale
+
+
+def _scaled_state(seed, layout):
+    torch.manual_seed(seed)
+    plan = funcshard.plan(_Scaled(), _mesh(), layout=layout)
+    tx = optim.adamw(lr=1e-2)
+    state = funcshard.shard(plan)
+    grads = {k: torch.full_like(v, 0.5) for k, v in state.items()}
+    state, opt_state = optim.step(tx, grads, tx.init(state), state)
+    return plan, tx, state, opt_state
+
+
+def _scaled_full(plan, state, opt_state):
+    return {"params": funcshard.gather(plan, state), "mu": funcshard.gather(plan, opt_state[0].mu),
+            "nu": funcshard.gather(plan, opt_state[0].nu), "count": opt_state[0].count}
+
+
+def _scalar_save(path):
+    out = {}
+    for layout in LAYOUTS:
+        plan, tx, state, opt_state = _scaled_state(0, layout)
+        checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/{dist.get_world_size()}-{layout}", tx=tx)
+        out[layout] = _scaled_full(plan, state, opt_state)
+    return out
+
+
+def _scalar_load(path):
+    out = {}
+    for saved_world in (1, 2):
+        for saved in LAYOUTS:
+            for layout in LAYOUTS:
+                plan, tx, state, opt_state = _scaled_state(1, layout)
+                loaded = checkpoint.load(plan, f"{path}/{saved_world}-{saved}", opt_state=opt_state)
+                out[saved_world, saved, layout] = _scaled_full(plan, *loaded)
+    return out
+
+
+def test_zero_dim_parameter_round_trips(tmp_path):
+    """Before: every load of a model with a 0-dim parameter failed in DCP ('Size mismatch between saved
+    torch.Size([]) and current: torch.Size([1])'): ShardSpec.dtensor passed shape () to DTensor.from_local, which
+    takes an empty shape for none. Now saved at W=1 and W=2, loaded at W=2 and W=1 across layouts, bit for bit."""
+    path = str(tmp_path)
+    saved = {1: run_ranks(1, _scalar_save, path)[0], 2: run_ranks(2, _scalar_save, path)[0]}
+    for world in (1, 2):
+        for (saved_world, saved_layout, layout), got in run_ranks(world, _scalar_load, path)[0].items():
+            want = saved[saved_world][saved_layout]
+            assert got["count"] == want["count"] == 1
+            assert got["params"]["scale"].shape == ()
+            assert _same(want, got) == 0.0, (world, saved_world, saved_layout, layout)
+
+
+# ---- a failed load changes nothing (the module's buffers included) --------------------------------------------
+
+
+def _steps_differ(path):
+    plan, tx, state, opt_state = _scaled_state(0, "per_param")
+    sd = checkpoint.state_dict(plan, state, opt_state, tx=tx)
+    sd["optim"]["state"]["w"]["step"] = torch.tensor(3.0)  # one parameter's count unlike the others'
+    dcp.save(sd, checkpoint_id=path)
+    plan, tx, state, opt_state = _scaled_state(1, "per_param")
+    before = plan.module.stat.clone()
+    try:
+        checkpoint.load(plan, path, opt_state=opt_state)
+        error = "loaded"
+    except funcshard.ShardingError as e:
+        error = str(e)
+    return error, torch.equal(before, plan.module.stat)
+
+
+def test_failed_load_leaves_buffers(tmp_path):
+    """Before: the module's buffers were copied from the checkpoint before the optimizer steps were checked, so a
+    refused load had changed them. Now every check runs before the first copy."""
+    for error, untouched in run_ranks(2, _steps_differ, str(tmp_path / "ckpt")):
+        assert re.search(r"the parameters' optimizer steps differ \(\[1\.0, 3\.0\]\)", error), error
+        assert untouched
+
+
+# ---- export_full failing on the writing rank: every rank raises, no deadlock, the previous file kept ------------
+
+
+class _Odd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+        self.register_buffer("ids", torch.zeros(3, dtype=torch.uint16))  # safetensors has no name for uint16
+
+
+def _export_failures(path):
+    import funcshard._checkpoint_safetensors as st
+
+    errors = {}
+    plan = funcshard.plan(_Odd(), _mesh())
+    try:
+        checkpoint.export_full(plan, funcshard.shard(plan), path)
+    except TypeError as e:
+        errors["dtype"] = str(e)
+    plan, _, state, _ = _scaled_state(0, "per_param")
+    write, count = st.Writer.write, [0]
+
+    def dying(self, name, t):  # the disk fails after the first tensor, on the writing rank only (rank 1 here)
+        count[0] += 1
+        if count[0] == 2:
+            raise OSError(28, "No space left on device")
+        write(self, name, t)
+
+    st.Writer.write = dying
+    try:
+        checkpoint.export_full(plan, state, path, rank=1)
+    except (OSError, funcshard.ShardingError) as e:
+        errors["disk"] = f"{type(e).__name__}: {e}"
+    finally:
+        st.Writer.write = write
+
+    def callback(name, t):
+        raise ValueError(f"refusing {name}")
+
+    try:
+        checkpoint.export_full(plan, state, callback)  # (called on rank 0 only)
+    except (ValueError, funcshard.ShardingError) as e:
+        errors["callback"] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_export_full_failure_on_the_writer(tmp_path):
+    """Before: a dtype safetensors cannot name was found on the writing rank only, which raised while the others
+    waited in the next all-gather (a deadlock until gloo's timeout); the file was truncated at once; close()
+    raised over the real error. Now the dtype check runs on every rank first, a later failure of the writer is
+    raised on every rank after the all-gathers, and the previous file is kept (the export goes to <path>.tmp)."""
+    import os
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the previous export")
+    rank0, rank1 = run_ranks(2, _export_failures, str(path), timeout=50)
+    for errors in (rank0, rank1):
+        assert re.search(r"safetensors has no name for the dtypes of ids: torch.uint16", errors["dtype"]), errors
+    assert rank1["disk"] == "OSError: [Errno 28] No space left on device", rank1
+    assert re.search(r"ShardingError: export_full: the writing rank \(1 of axis 0\) failed, the previous file is "
+                     r"kept: OSError: \[Errno 28\] No space left on device", rank0["disk"]), rank0
+    assert rank0["callback"] == "ValueError: refusing w", rank0
+    assert re.search(r"ShardingError: .*the callable stopped: ValueError: refusing w", rank1["callback"]), rank1
+    assert path.read_bytes() == b"the previous export" and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def _without_tx(path):
+    plan, tx, state, opt_state = _scaled_state(0, "per_param")
+    errors = {}
+    for name, call in (("save", lambda: checkpoint.save(plan, state, opt_state, checkpoint_id=path)),
+                       ("state_dict", lambda: checkpoint.state_dict(plan, state, opt_state))):
+        try:
+            call()
+            errors[name] = "done"
+        except TypeError as e:
+            errors[name] = str(e)
+    import os
+
+    return errors, os.path.exists(path) or os.path.exists(f"{path}.saving")
+
+
+def test_optimizer_state_without_tx_is_refused(tmp_path):
+    """Before: saved without optim.param_groups, which FSDP2's dcp.load then missed ('Missing key
+    optim.param_groups.0.lr'). Now refused, naming the fix, before anything is written."""
+    errors, written = run_ranks(2, _without_tx, str(tmp_path / "ckpt"))[0]
+    for name in ("save", "state_dict"):
+        assert re.search(r"of an opt_state needs tx= \(the optimizer, e\.g\. optim\.adamw\(\.\.\.\)\): .* without "
+                         r"which torch's set_optimizer_state_dict \(FSDP2\) cannot load", errors[name]), errors
+    assert not written
+
+
+# ---- torch's SGD (no step saved) and frozen parameters (no optimizer state), both ways --------------------------
+
+
+def _fsdp2_sgd_frozen(seed):
+    import torch.distributed.fsdp as torch_fsdp
+
+    model = _gpt(seed)
+    model.pos.requires_grad_(False)
+    for b in model.blocks:
+        torch_fsdp.fully_shard(b, mesh=_mesh())
+    torch_fsdp.fully_shard(model, mesh=_mesh())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.SGD(trained, lr=0.1, momentum=0.9, foreach=True)
+
+
+def _sgd_frozen_interop(path):
+    out = {}
+    tx = optim.sgd(lr=0.1, momentum=0.9)
+    model, opt = _fsdp2_sgd_frozen(0)
+    _train_fsdp2(model, opt, 2)
+    sd = _fsdp2_state_dict(model, opt)
+    out["torch keys"] = sorted(sd["optim"]["state"]["tok.weight"]), "pos" in sd["optim"]["state"]
+    dcp.save(sd, checkpoint_id=f"{path}/torch")
+    reference = _train_fsdp2(model, opt, STEPS, start=2)
+    plan = _plan(_gpt(seed=1))
+    template = tx.init({k: v for k, v in funcshard.shard(plan).items() if k != "pos"})
+    state, opt_state = checkpoint.load(plan, f"{path}/torch", opt_state=template)
+    out["torch->funcshard"] = reference, _train(plan, tx, state, opt_state, STEPS, start=2, frozen=("pos",))[0]
+
+    plan = _plan(_gpt())
+    state = funcshard.shard(plan)
+    _, state, opt_state = _train(plan, tx, state, tx.init({k: v for k, v in state.items() if k != "pos"}), 2,
+                                 frozen=("pos",))
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/funcshard", tx=tx)
+    reference = _train(plan, tx, state, opt_state, STEPS, start=2, frozen=("pos",))[0]
+    model, opt = _fsdp2_sgd_frozen(1)
+    _train_fsdp2(model, opt, 1)  # (torch's SGD has momentum buffers to load into only after a step)
+    _load_fsdp2(model, opt, f"{path}/funcshard")
+    out["funcshard->torch"] = reference, _train_fsdp2(model, opt, STEPS, start=2)
+    return out
+
+
+def test_fsdp2_sgd_with_frozen_parameter_cross_loads(tmp_path):
+    """Before: load required optim.state.<path>.step for every parameter, which torch's SGD does not save, and
+    optimizer state for every parameter, which torch keeps only for the ones it trains. Now torch's SGD(momentum)
+    with a frozen ``pos`` and funcshard's sgd over the trained parameters cross-load both ways; training continues
+    with the uninterrupted run's losses bit for bit."""
+    out = run_ranks(2, _sgd_frozen_interop, str(tmp_path))[0]
+    assert out.pop("torch keys") == (["momentum_buffer"], False)
+    for name, (reference, resumed) in out.items():
+        assert reference == resumed, (name, reference, resumed)
