@@ -16,6 +16,7 @@ import operator
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as _torch_pytree
+import torch.utils.flop_counter  # noqa: F401  (flop_registry below)
 from torch.distributed.tensor import DTensor
 
 SUPPORTED = "2.11 to 2.13"
@@ -105,9 +106,19 @@ new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) 
 # ---- torch.distributed: renamed collectives (public names; chosen here with the other version differences) ---
 # torch 2.13 renamed the tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
 # -> reduce_scatter_single); older releases have only the old names.
+all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
 # ---- the cost model's one-process trace (funcshard/_cost_trace.py): fake tensors and a dispatch mode -------------
 FakeTensorMode = require("torch._subclasses.fake_tensor.FakeTensorMode")  # tensors with shapes, devices, no data
 TorchDispatchMode = require("torch.utils._python_dispatch.TorchDispatchMode")  # sees every op below autograd
+# torch.utils.flop_counter's per-op FLOP formulas (FlopCounterMode's table; the module's __all__ has only the mode)
+flop_registry = require("torch.utils.flop_counter.flop_registry")
+
+
+def op_is_mutable(func) -> bool:
+    """Whether an aten op (an OpOverload, as a dispatch mode sees it) writes to one of its arguments (its schema)."""
+    return func._schema.is_mutable
 
 
 def fake_store():
@@ -116,9 +127,6 @@ def fake_store():
 
     return FakeStore()
 
-
-all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 # ---- traceable functional collectives (torch.distributed._functional_collectives), for the fully traced mode -----
 # torch 2.13 renamed all_gather_tensor_autograd -> all_gather_single_autograd (the old name warns outside compile);
@@ -142,5 +150,6 @@ __all__ = [
     "foreach_sqrt",
     "torch_tree_leaves", "torch_tree_map_only",
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
-    "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "fake_store",
+    "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
+    "fake_store",
 ]

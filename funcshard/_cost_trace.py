@@ -7,11 +7,14 @@ the meta device picks). A dispatch mode counts every storage the step allocates 
 ``MemTracker`` does) and, per op, its FLOPs (``torch.utils.flop_counter``'s formulas) and bytes read and written.
 
 The parameters are leaves made in their compute dtype (``param_dtype`` under mixed precision), so the step is the
-one the runtime runs on the unsharded views; their gradients are kept until the last of their group arrives, then
-dropped together: what the runtime's gather node does (it takes a group's gradients when all of them are
-complete). Marks record where each group's forward and backward start and end, as the runtime's hooks see them,
-with the live bytes of activations (everything the step allocates but the parameters' gradients) and of
-gradients there, and each stretch between two marks keeps its peak and its ops' (FLOPs, bytes).
+one the runtime runs on the unsharded views. As in the runtime, each group's parameters reach the module through one
+autograd node made when the group's forward starts (``_GroupNode``): its backward (the group's post-backward) runs
+where the runtime's gather node runs, with the group's gradients, which are dropped there (the reduce-scatter
+consumes them). Groups with frozen parameters also mark when the gradients of their forward's inputs are complete
+(the runtime's ``FrozenRelease`` frees them only then). Marks record where each group's forward and backward start
+and end, as the runtime's hooks see them, with the live bytes of activations (everything the step allocates but
+the parameters' gradients) and of gradients there, and each stretch between two marks keeps its peak and its ops'
+(FLOPs, bytes).
 
 :func:`profile_update` runs an optimizer's ``init`` and ``update`` (and ``apply_updates``) on fake shards: the
 optimizer state's bytes and the update's transient peak.
@@ -25,13 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
 
-from funcshard._compat import FakeTensorMode, TorchDispatchMode, torch_tree_leaves
+from funcshard._compat import FakeTensorMode, TorchDispatchMode, flop_registry, op_is_mutable, param_slots, torch_tree_leaves
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating, compute_dtype
 
 FWD_START, FWD_END, BWD_START, BWD_END = "forward start", "forward end", "backward start", "backward end"
+INPUTS_DONE = "inputs' gradients done"  # a group with frozen parameters: the gradients of its forward's inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +82,21 @@ class StepProfile:
         stretches: what ran after each mark (the last one: after the last mark, to the end of backward).
         input_bytes: bytes of the step's tensor inputs (they live through the step).
         device: the device type traced on.
+        frozen: groups with a parameter that takes no gradient (freed in backward once their inputs' gradients are
+            done too: ``INPUTS_DONE`` marks).
+        trainable: groups with a parameter that takes a gradient (they have a post-backward).
+        unwatched: frozen groups whose forward inputs take no gradient: kept until the end of backward.
+        watched: frozen groups whose forward inputs' gradients are waited for (an ``INPUTS_DONE`` mark each).
     """
 
     marks: tuple[Mark, ...]
     stretches: tuple[Stretch, ...]
     input_bytes: int
     device: str
+    frozen: frozenset[str] = frozenset()
+    trainable: frozenset[str] = frozenset()
+    unwatched: frozenset[str] = frozenset()
+    watched: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +155,13 @@ class _Live(TorchDispatchMode):
             ent[1] = n
         self.peak = max(self.peak, self.live())
 
+    def forget(self, tensors) -> None:
+        """Stop counting these tensors' storages now (consumed, though a caller still holds them a moment)."""
+        for t in tensors:
+            e = self.entries.pop(id(t.untyped_storage()), None)
+            if e is not None:
+                self.totals[e[2]] -= e[1]
+
     def cut(self) -> Stretch:
         """The stretch since the last cut; the next one starts at the current live bytes."""
         out = Stretch(self.peak, tuple(self.flops), tuple(self.nbytes))
@@ -158,7 +177,7 @@ class _Live(TorchDispatchMode):
         fresh = [t for t in outs if id(t.untyped_storage()) not in in_storages]
         formula = flop_registry.get(func.overloadpacket)
         self.flops.append(int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0)
-        mutating = func._schema.is_mutable
+        mutating = op_is_mutable(func)
         moved = (sum(t.numel() * t.element_size() for t in ins) + sum(t.numel() * t.element_size() for t in fresh)
                  if fresh or mutating else 0)  # (a view moves nothing)
         self.nbytes.append(moved)
@@ -183,23 +202,65 @@ def _fake_inputs(mode, tree: Any, device: torch.device) -> Any:
     return torch_tree_map_only(torch.Tensor, lambda t: _fake_like(mode, t, device), tree)
 
 
+class _GroupNode(torch.autograd.Function):
+    """The runtime's gather node (``_runtime.strategies._GroupGather``) as the trace makes it: created when the
+    group's forward starts, so that autograd runs its backward where it runs the runtime's (once every gradient of
+    the group's parameters is complete, in the engine's order by creation: the root group's, made first, runs
+    last); it outputs aliases of the group's parameter leaves, those of frozen ones non-differentiable; its backward
+    is the group's post-backward (``done(grads)``)."""
+
+    @staticmethod
+    def forward(ctx, done, *leaves):
+        ctx.done = done
+        outs = tuple(t.view_as(t) for t in leaves)
+        frozen = [o for o, t in zip(outs, leaves) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done([g for g in grads if g is not None])
+        return (None, *(None for _ in grads))
+
+
+def _check_loss(value: Any, trainable: bool) -> None:
+    """The loss must be a scalar tensor that depends on the parameters (user errors, said as such)."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"funcshard.cost.estimate: loss(out) must return a scalar tensor, got {shape}; reduce it "
+                         f"(e.g. loss=lambda out: out.float().square().mean())")
+    if trainable and not value.requires_grad:
+        raise ValueError("funcshard.cost.estimate: loss(out) does not depend on the parameters (it requires no "
+                         "gradient: detached, computed under no_grad, or from inputs alone), so no backward would "
+                         "run; compute it from the module's output without .detach()")
+
+
 def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor],
                  device: torch.device) -> StepProfile:
     """Trace one forward + loss + backward of ``plan.module`` on fake tensors (see the module docstring)."""
+    from funcshard._runtime.backward import grad_inputs
+    from funcshard._runtime.binding import slots
+
     module = plan.module
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the loss may read real targets: made fake on use)
-    group_of = {p: g for g in plan.groups for p in g.params}
     leaves: dict[str, torch.Tensor] = {}
-    for fqn, spec in plan.specs.items():
-        g = group_of[fqn]
-        t = _fake_like(mode, torch.empty(spec.shape, device="meta"), device, compute_dtype(spec.dtype, g.param_dtype))
-        if spec.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex):
-            t.requires_grad_(True)
-        leaves[fqn] = t
+    for g in plan.groups:
+        for fqn in g.params:
+            spec = plan.specs[fqn]
+            t = _fake_like(mode, torch.empty(spec.shape, device="meta"), device,
+                           compute_dtype(spec.dtype, g.param_dtype))
+            if spec.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex):
+                t.requires_grad_(True)
+            leaves[fqn] = t
     buffers = {n: _fake_like(mode, b, device) for n, b in module.named_buffers()}
     fargs, fkwargs = _fake_inputs(mode, (tuple(args), dict(kwargs or {})), device)
     input_bytes = sum(t.numel() * t.element_size() for t in torch_tree_leaves((fargs, fkwargs))
                       if isinstance(t, torch.Tensor))
+    # the runtime's FrozenRelease: a group with a parameter that takes no gradient is freed in backward only once
+    # the gradients of its forward's inputs are complete too (never, before the end, when none requires grad)
+    trainable = {g.name for g in plan.groups if any(leaves[p].requires_grad for p in g.params)}
+    frozen = {g.name for g in plan.groups if not all(leaves[p].requires_grad for p in g.params)}
 
     live = _Live()
     live.ignore = {id(t.untyped_storage()) for t in (*leaves.values(), *buffers.values())}
@@ -213,10 +274,39 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
             live.cut()
         marks.append(Mark(kind, group, live.totals["act"], live.totals["grad"]))
 
+    ended: set[str] = set()
+
+    def post_backward(grads: list[torch.Tensor], name: str) -> None:
+        for t in grads:
+            live.see(t, "grad")
+        ended.add(name)
+        mark(BWD_END, name)
+        live.forget(grads)  # (the runtime's reduce-scatter consumes them: copied into its input, then dropped)
+
+    originals: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
+
+    def gather(g) -> None:
+        """The group's node, its parameters put on the module (every alias of a tied one)."""
+        if not g.params:
+            return
+        outs = _GroupNode.apply(lambda grads, name=g.name: post_backward(grads, name), *(leaves[p] for p in g.params))
+        for mod, attr, i in slots(plan, g):
+            slot = param_slots(mod)
+            originals.setdefault((id(mod), attr), (mod, slot[attr]))
+            slot[attr] = outs[i]
+
     # forward: a group starts at the first of its modules' pre-hooks, ends at the last post-hook (per pass)
     handles = []
     started: set[str] = set()
     backward_started: set[str] = set()
+    uses: dict[str, int] = {}
+    unwatched: set[str] = set()
+
+    def inputs_done(name: str) -> None:
+        uses[name] -= 1
+        if uses[name] == 0:
+            mark(INPUTS_DONE, name)
+
     for g in plan.groups[1:]:
         for path in g.modules:
             mod = module.get_submodule(path)
@@ -225,9 +315,34 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
                 if g.name not in started:
                     started.add(g.name)
                     mark(FWD_START, g.name)
-                if g.param_dtype is not None and g.cast_forward_inputs:
-                    return cast_floating(g.param_dtype, (a, kw))
-                return None
+                    gather(g)
+                cast = g.param_dtype is not None and g.cast_forward_inputs
+                if cast:
+                    a, kw = cast_floating(g.param_dtype, (a, kw))
+                if g.name in frozen and torch.is_grad_enabled():  # (FrozenRelease.watch_inputs, the same way)
+                    inputs = grad_inputs(a)
+                    if not inputs:
+                        unwatched.add(g.name)
+                        return (a, kw) if cast else None
+                    uses[g.name] = uses.get(g.name, 0) + 1
+                    top = [i for i, t in enumerate(a) if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if len(top) != len(inputs) or any(a[i].layout is not torch.strided or a[i].is_nested for i in top):
+                        torch.autograd.graph.register_multi_grad_hook(
+                            inputs, lambda _g, name=g.name: inputs_done(name), mode="all")
+                        return (a, kw) if cast else None
+                    left = [len(top)]
+
+                    def done(_grad, name=g.name, left=left):
+                        left[0] -= 1
+                        if left[0] == 0:
+                            inputs_done(name)
+
+                    a = list(a)
+                    for i in top:  # (an alias: its hook runs before the producer's output hooks, as the runtime's)
+                        a[i] = torch.ops.aten.alias(a[i])
+                        a[i].register_hook(done)
+                    return tuple(a), kw
+                return (a, kw) if cast else None
 
             def post(_m, _a, out, g=g):
                 mark(FWD_END, g.name)
@@ -246,38 +361,20 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(mod.register_forward_hook(post))
 
-    # backward: a group's gradients are dropped together once the last one is complete (the gather node's backward)
-    pending = {g.name: {p for p in g.params if leaves[p].requires_grad} for g in plan.groups}
-    kept: dict[str, list[torch.Tensor]] = {g.name: [] for g in plan.groups}
-    ended: set[str] = set()
-
-    def accumulated(t: torch.Tensor, fqn: str) -> None:
-        g = group_of[fqn].name
-        live.see(t.grad, "grad")
-        kept[g].append(t)
-        pending[g].discard(fqn)
-        if not pending[g]:
-            ended.add(g)
-            mark(BWD_END, g)
-            for leaf in kept[g]:
-                leaf.grad = None
-            kept[g].clear()
-
-    for fqn, t in leaves.items():
-        if t.requires_grad:
-            handles.append(t.register_post_accumulate_grad_hook(lambda t, fqn=fqn: accumulated(t, fqn)))
     root = plan.groups[0]
     try:
         with mode, live:
             mark(FWD_START, ROOT)
+            gather(root)
             if root.param_dtype is not None and root.cast_forward_inputs:
                 fargs, fkwargs = cast_floating(root.param_dtype, (fargs, fkwargs))
-            out = torch.func.functional_call(module, {**leaves, **buffers}, fargs, fkwargs)
+            out = torch.func.functional_call(module, buffers, fargs, fkwargs)
             if root.output_dtype is not None:
                 out = cast_floating(root.output_dtype, out)
             mark(FWD_END, ROOT)
             value = loss(out)
             del out
+            _check_loss(value, bool(trainable))
             mark(BWD_START, ROOT)
             if value.requires_grad:
                 value.backward()
@@ -289,7 +386,10 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
     finally:
         for h in handles:
             h.remove()
-    return StepProfile(tuple(marks), tuple(stretches), input_bytes, device.type)
+        for (_, attr), (mod, t) in originals.items():
+            param_slots(mod)[attr] = t
+    return StepProfile(tuple(marks), tuple(stretches), input_bytes, device.type, frozenset(frozen),
+                       frozenset(trainable), frozenset(unwatched), frozenset(uses))
 
 
 def profile_update(optimizer: Any, shards: dict[str, tuple[tuple[int, ...], torch.dtype]],

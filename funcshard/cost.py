@@ -43,6 +43,7 @@ from funcshard._cost_trace import (
     BWD_START,
     FWD_END,
     FWD_START,
+    INPUTS_DONE,
     StepProfile,
     Stretch,
     UpdateProfile,
@@ -50,7 +51,8 @@ from funcshard._cost_trace import (
     profile_update,
 )
 from funcshard._plan import ROOT, Plan
-from funcshard._schedule import ALL_GATHER, BACKWARD, FREE, REDUCE_SCATTER, Collective, Op, label, schedule
+from funcshard._schedule import ALL_GATHER, ALL_REDUCE, BACKWARD, FREE, REDUCE_SCATTER, Collective, Op, label, schedule
+from funcshard._spec import ShardingError
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
 
@@ -81,8 +83,10 @@ class Hardware:
     group_overhead_s: float = 0.0
 
     def collective_s(self, c: Collective) -> float:
-        """One all-gather or reduce-scatter: ring algorithms send ``(W - 1) / W`` of the unsharded buffer."""
-        return self.latency_s + c.nbytes * (c.world - 1) / c.world / self.link_bytes_per_s
+        """One collective over ``c.world`` ranks, ring algorithms: an all-gather or reduce-scatter sends
+        ``(W - 1) / W`` of the unsharded buffer, an all-reduce (HSDP, over the replicate axis) twice that."""
+        sent = c.nbytes * (c.world - 1) / c.world * (2 if c.kind == ALL_REDUCE else 1)
+        return self.latency_s + sent / self.link_bytes_per_s
 
     def stretch_s(self, s: Stretch) -> float:
         return s.seconds(self.flops_per_s, self.memory_bytes_per_s) + len(s.flops) * self.op_overhead_s
@@ -201,6 +205,9 @@ class Cost:
         comm_s: the collectives' time on the channel.
         exposed_s: the main thread's waits for collectives.
         intervals: the time timeline (compute, waits, collectives), for plotting.
+        traced_on: the device type the step was traced on: the mesh's, or ``"cpu"`` where this process lacks it
+            (e.g. planning for CUDA on a CPU-only machine: activations are then the CPU kernels', e.g. its
+            attention's, which may differ from the target's).
     """
 
     plan: Plan = dataclasses.field(repr=False)
@@ -213,10 +220,11 @@ class Cost:
     comm_s: float | None = None
     exposed_s: float | None = None
     intervals: tuple[Interval, ...] = dataclasses.field(default=(), repr=False)
+    traced_on: str = "cpu"
 
     def counts(self) -> dict[str, int]:
         """Collectives per step by kind."""
-        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}  # (and "all-reduce" when the step has them: HSDP)
         for c in self.collectives:
             out[c.kind] = out.get(c.kind, 0) + 1
         return out
@@ -238,6 +246,9 @@ class Cost:
         lines = [f"Cost per rank of a plan of {len(p.groups)} groups over {p.world} ranks (prefetch "
                  f"{p.forward_prefetch}/{p.backward_prefetch}, layout {p.layout}):",
                  f"  peak memory {mib(self.peak_bytes)} at {self.peak.what}:"]
+        if self.traced_on != p.mesh.device_type:
+            lines.insert(1, f"  (traced on {self.traced_on}: this process has no {p.mesh.device_type}; activations "
+                            f"are the {self.traced_on} kernels')")
         lines += [f"    {k:17s} {mib(v)}" for k, v in self.peak.bytes.items()]
         counts, nbytes = self.counts(), self.bytes_by_kind()
         lines += [f"  {k}: {counts[k]} per step, {mib(nbytes[k])} (unsharded buffers)" for k in counts]
@@ -279,7 +290,14 @@ class _Replay:
         self.ag_held: dict[str, int] = {}  # all-gather buffers in flight (per-parameter layout)
         self.ag_end: dict[str, float] = {}
         self.unsharded: dict[str, int] = {}
-        self.rs: tuple[str, int, int, float] | None = None  # (group, input bytes, output bytes, end time)
+        # the reduce-scatter in flight: (group, input bytes, output bytes, end time, its all-reduces (HSDP))
+        self.rs: tuple[str, int, int, float, tuple[Collective, ...]] | None = None
+        # gloo (CPU) reduce-scatters by an all-reduce of a copy of the input, split in its wait: one more
+        # input-sized buffer there (tests/test_cost.py's bf16 variants peak there); NCCL's works in place
+        self.rs_copy = plan.mesh.device_type == "cpu"
+        self.post: dict[str, int] = {}  # groups kept as a k-th after forward (int reshard_after_forward): bytes
+        self.post_done: set[str] = set()  # groups whose post-backward ran
+        self.inputs_done: set[str] = set()  # frozen groups whose forward inputs' gradients are complete
         self.grad_shards = 0
         self.act = prof.input_bytes
         self.grads = 0
@@ -292,7 +310,7 @@ class _Replay:
 
     # memory
     def at(self, what: str, extra: dict[str, int] | None = None) -> None:
-        b = {"sharded_params": self.sharded, "unsharded_params": sum(self.unsharded.values()),
+        b = {"sharded_params": self.sharded + sum(self.post.values()), "unsharded_params": sum(self.unsharded.values()),
              "gradients": self.grads + self.grad_shards,
              "optimizer_state": self.update.state_bytes if self.update else 0,
              "comm_buffers": sum(self.ag_held.values()) + (self.rs[1] + self.rs[2] if self.rs else 0),
@@ -314,11 +332,11 @@ class _Replay:
             self.exposed += end - self.t
             self.t = end
 
-    def issue(self, op: Op) -> float:
-        self.collectives.extend(op.collectives)
+    def issue(self, collectives: Sequence[Collective]) -> float:
+        self.collectives.extend(collectives)
         if not self.hw:
             return 0.0
-        for c in op.collectives:
+        for c in collectives:
             start = max(self.t, self.chan)
             self.chan = start + self.hw.collective_s(c)
             self.comm += self.chan - start
@@ -332,11 +350,11 @@ class _Replay:
             return
         op = self.ops.take(ALL_GATHER, name)
         nbytes = sum(c.nbytes for c in op.collectives)
-        if self.flat:  # the all-gather writes into the parameters' own buffer
+        if self.flat and name not in self.post:  # the all-gather writes into the parameters' own buffer
             self.unsharded[name] = nbytes
-        else:
+        else:  # (from a k-th kept after forward: into a buffer of its own, copied out, as per parameter)
             self.ag_held[name] = nbytes
-        self.ag_end[name] = self.issue(op)
+        self.ag_end[name] = self.issue(op.collectives)
         self.state[name] = "gathering"
         self.at(f"all-gather {label(name)} ({why})")
 
@@ -345,15 +363,30 @@ class _Replay:
         if self.state[name] != "gathering":
             return
         self.wait_until(self.ag_end.pop(name), f"all-gather {label(name)}")
-        if not self.flat:
+        if name in self.ag_held:
             self.unsharded[name] = self.step.unsharded_nbytes(name)
             self.at(f"copy-out {label(name)}")
             del self.ag_held[name]
+        self.post.pop(name, None)  # (the k-th kept after forward was the all-gather's input)
         self.state[name] = "gathered"
+
+    def step_gathers(self, name: str) -> tuple[Collective, ...]:
+        """The group's forward all-gather's collectives (the schedule's first all-gather of it)."""
+        return next(op.collectives for op in self.step.ops if op.kind == ALL_GATHER and op.group == name)
 
     def free(self, name: str) -> None:
         self.unsharded.pop(name, None)
         self.state[name] = "sharded"
+
+    def released(self, name: str) -> bool:
+        """Whether backward is done with the group (``FrozenRelease.release``): its post-backward ran (or it takes no
+        gradient), and, with frozen parameters, its forward inputs' gradients are complete (never, before the end of
+        backward, when they take none)."""
+        p = self.prof
+        if name not in p.frozen:
+            return True
+        return (name not in p.unwatched and (name not in p.watched or name in self.inputs_done)
+                and (name in self.post_done or name not in p.trainable))
 
     def use(self, name: str, backward: bool) -> None:
         if self.hw and self.hw.group_overhead_s and name != ROOT:
@@ -366,9 +399,16 @@ class _Replay:
                 self.gather(p, f"prefetch, while {label(name)} computes")
 
     def finish_rs(self) -> None:
+        """``PendingReduce.finish``: wait for the reduce-scatter, free its input; HSDP: all-reduce its output over
+        the replicate axis (issued now) and wait for that too."""
         if self.rs is not None:
-            name, _, out, end = self.rs
+            name, inp, out, end, reduces = self.rs
             self.wait_until(end, f"reduce-scatter {label(name)}")
+            if self.rs_copy and inp:
+                self.at(f"reduce-scatter {label(name)} wait (gloo's copy of its input)", {"comm_buffers": inp})
+            if reduces:
+                self.rs = (name, 0, out, end, ())
+                self.wait_until(self.issue(reduces), f"all-reduce {label(name)}")
             self.rs = None
             self.grad_shards += out
 
@@ -376,16 +416,25 @@ class _Replay:
         """``ReduceQueue.start``: free the group, take the reduce-scatter in flight, issue this one."""
         g = self.plan.group(name)
         op = self.ops.take(REDUCE_SCATTER, name)
-        if g.reshard_after_backward:
+        self.post_done.add(name)
+        if g.reshard_after_backward and self.released(name):
             self.free(name)
         self.finish_rs()
+        scatters = [c for c in op.collectives if c.kind == REDUCE_SCATTER]
+        reduces = tuple(c for c in op.collectives if c.kind == ALL_REDUCE)
         if not op.collectives:
             return
-        inp = sum(c.nbytes for c in op.collectives)
-        self.rs = (name, inp, 0, 0.0)
+        if not scatters:  # (a shard axis of one rank: the input is the output, all-reduced over the replicas)
+            out = sum(c.nbytes for c in reduces)
+            self.rs = (name, 0, out, self.t, reduces)
+            self.at(f"reduce-scatter {label(name)} (copy-in)")
+            return
+        inp = sum(c.nbytes for c in scatters)
+        self.rs = (name, inp, 0, 0.0, ())
         self.at(f"reduce-scatter {label(name)} (copy-in)")  # the group's gradients and the input, both live
-        out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in op.collectives)
-        self.rs = (name, inp, out, self.issue(op))
+        out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
+        end = self.issue(scatters)
+        self.rs = (name, inp, out, end, reduces)
 
     def mark(self, i: int) -> None:
         m, plan = self.prof.marks[i], self.plan
@@ -397,13 +446,21 @@ class _Replay:
             if g.reshard_after_forward and (g.is_root or m.group not in self.empty):  # (the schedule's rule)
                 self.ops.take(FREE, m.group)
                 self.wait(m.group)
+                k = plan.post_forward_world(g)
+                if k is not None:  # keep a k-th of the buffers (the backward all-gather's input over k ranks)
+                    self.post[m.group] = sum(c.nbytes for c in self.step_gathers(m.group)) // k
                 self.free(m.group)
-                self.at(f"free {label(m.group)}")
+                self.at(f"free {label(m.group)}" + (f" (keep a {k}-rank shard)" if k is not None else ""))
         elif m.kind == BWD_START:
             self.use(m.group, backward=True)
         elif m.kind == BWD_END:
             if m.group != ROOT and m.group not in self.empty:
                 self.reduce_scatter(m.group)
+        elif m.kind == INPUTS_DONE:
+            self.inputs_done.add(m.group)
+            if g.reshard_after_backward and self.state[m.group] != "sharded" and self.released(m.group):
+                self.free(m.group)
+                self.at(f"free {label(m.group)} (its inputs' gradients are done)")
         st = self.prof.stretches[i]
         self.at(f"{m.kind} {label(m.group)}: highest point until the next event",
                 {"activations": st.peak - m.activations - m.grads})
@@ -446,7 +503,33 @@ class _Replay:
 
 
 def _device(plan: Plan) -> torch.device:
-    return torch.device("cpu") if plan.mesh.device_type == "cpu" else torch.device(plan.mesh.device_type)
+    """Where the step is traced: the mesh's device type when this process has it (the target's kernels); else the
+    CPU (planning for CUDA on a CPU-only machine: fake tensors of a device torch was built without abort the
+    process), which the result says (``Cost.traced_on``)."""
+    kind = plan.mesh.device_type
+    backend = getattr(torch, kind, None)
+    if kind == "cpu" or not (callable(getattr(backend, "is_available", None)) and backend.is_available()):
+        return torch.device("cpu")
+    return torch.device(kind)
+
+
+def _check_order(plan: Plan, prof: StepProfile) -> None:
+    """The replay follows the plan's group order (the schedule's); a forward that runs the groups in another order
+    makes the runtime prefetch differently (its forward prefetch follows the plan, its backward prefetch the order
+    that ran): refused, with the plan that matches."""
+    ran = tuple(dict.fromkeys(m.group for m in prof.marks if m.kind == FWD_START and m.group != ROOT))
+    if plan.order_differs(ran):
+        raise ShardingError(
+            f"funcshard.cost.estimate: the groups' forwards run in the order {ran}, not in the plan's order "
+            f"{tuple(g.name for g in plan.groups[1:])}; the runtime would prefetch the wrong groups (some twice), "
+            f"which the cost model does not replay. Estimate (and train) plan.with_order({ran!r}): then the "
+            f"prefetches follow the order the module runs in")
+    skipped = [g.name for g in plan.groups[1:] if g.params and g.name not in ran]
+    if skipped:
+        raise ShardingError(
+            f"funcshard.cost.estimate: the forward never runs group(s) {skipped} of the plan, which the cost model "
+            f"(as the plan's schedule) counts on; call their modules, or plan without them as groups (their "
+            f"parameters then go to the root group)")
 
 
 def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -469,10 +552,12 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
                                 f"pass loss=lambda out: ... returning a scalar tensor")
             return out.float().sum()
     cache = _profiles if _profiles is not None else {}
-    key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups))
+    key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups),
+           tuple((k, s.shape, s.dtype, s.requires_grad) for k, s in plan.specs.items()))
     prof = cache.get(key)
     if prof is None:
         prof = cache[key] = profile_step(plan, args, kwargs, loss, _device(plan))
+    _check_order(plan, prof)
     update = None
     if optimizer is not None:
         shapes = _shard_shapes(plan)
@@ -487,7 +572,7 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     if hardware is not None:
         timing = dict(step_s=r.t, compute_s=r.compute, comm_s=r.comm, exposed_s=r.exposed)
     return Cost(plan, peak.total, peak, tuple(r.points), tuple(r.collectives), intervals=tuple(r.intervals),
-                **timing)
+                traced_on=prof.device, **timing)
 
 
 def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | None = None,

@@ -135,6 +135,9 @@ class Trace:
         self._counters.append((t, counts))
 
     def __enter__(self) -> Trace:
+        if any(listener is self for listener in LISTENERS):
+            raise RuntimeError("funcshard.trace: this Trace is already recording (entered twice, it would record "
+                               "every event twice); nest a new one instead: with trace() as inner: ...")
         self.t0 = time.perf_counter()
         LISTENERS.append(self)
         return self

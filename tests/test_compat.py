@@ -17,7 +17,7 @@ EXEMPT = {"_compat.py"}
 # like ``mod`` or ``grad`` cannot be traced to torch statically.
 PRIVATE_ATTRS = {
     "_parameters", "_buffers", "_modules", "_local_tensor", "_spec", "_post_accumulate_grad_hooks",
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_version", "_base", "_cdata", "_grad_fn",
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_version", "_base", "_cdata", "_grad_fn", "_schema",
 }
 OWN_PREFIX = "_funcshard"  # attributes funcshard sets on torch objects itself (``_funcshard_owner``)
 

@@ -5,6 +5,7 @@ systems, and a step time that moves the way the schedule says it should."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard
 import funcshard.cost as C
+from funcshard._runtime.observe import LISTENERS
 from funcshard._schedule import schedule
 from multirank import run_ranks
 from test_schedule import MATRIX, IssuedCollectives, matrix_step
@@ -27,41 +29,124 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 # ---- collectives: exactly the runtime's, over the schedule test's matrix ----------------------------------
 
 
-def _issued_vs_predicted(depth, reshard, model_kind, layout, lists):
+class _Tagged:
+    """The c10d calls of a step, each with the group whose collective it is: a runtime listener (the events
+    ``funcshard.trace`` records) names the group of the calls issued since the last one."""
+
+    def __init__(self, recorder):
+        self.rec, self.tags = recorder, []
+
+    def __call__(self, what, group, obj):
+        if what.endswith("issued") or what == "reduce-scatter done":  # (HSDP: the all-reduce runs in the finish)
+            self.tags += [group] * (len(self.rec.calls) - len(self.tags))
+
+    def __enter__(self):
+        LISTENERS.append(self)
+        self.rec.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.rec.__exit__(*exc)
+        LISTENERS.remove(self)
+
+    def calls(self):
+        return [(kind, group, *rest) for (kind, *rest), group in zip(self.rec.calls, self.tags)]
+
+
+def _issued_vs_predicted(depth, reshard, model_kind, layout, lists, reverse=False):
     plan, trainable, frozen, x = matrix_step(depth, reshard, model_kind, layout, lists)
+    if reverse:  # the blocks run last to first: the plan says so (the runtime warns otherwise)
+        plan = plan.with_order([f"blocks.{i}" for i in (3, 2, 1, 0)])
+        m = plan.module
+
+        def backwards(x):  # (MLP's forward, its blocks reversed: the blocks are all 6 -> 6)
+            h = m.inp(x)
+            for b in reversed(m.blocks):
+                h = b(h)
+            return m.out(h)
+
+        m.forward = backwards
     loss = lambda out: out.float().square().sum()  # noqa: E731
-    with IssuedCollectives() as rec:
+    with _Tagged(IssuedCollectives()) as rec:
         torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **frozen}, x)))(trainable)
     cost = C.estimate(plan, x, loss=loss)
-    predicted = [(c.kind, c.dtype, c.numel, c.nbytes) for c in cost.collectives]
-    issued = {k: sum(b for kk, _, _, b in rec.calls if kk == k) for k in ("all-gather", "reduce-scatter")}
-    counts = {k: sum(1 for kk, *_ in rec.calls if kk == k) for k in ("all-gather", "reduce-scatter")}
-    return rec.calls, predicted, issued, cost.bytes_by_kind(), counts, cost.counts()
+    predicted = [(c.kind, c.group, c.dtype, c.numel, c.nbytes) for c in cost.collectives]
+    calls = rec.calls()
+    issued = {k: sum(b for kk, *_, b in calls if kk == k) for k in ("all-gather", "reduce-scatter")}
+    counts = {k: sum(1 for kk, *_ in calls if kk == k) for k in ("all-gather", "reduce-scatter")}
+    return calls, predicted, issued, cost.bytes_by_kind(), counts, cost.counts()
 
 
 @pytest.mark.parametrize("depth,reshard,kind,layout",
                          [*MATRIX, (1, None, "mixed", "per_param"), (1, True, "mixed", "flat"),
-                          (1, None, "settings", "per_param"), (0, None, "settings", "flat")])
+                          (1, None, "settings", "per_param"), (0, None, "settings", "flat"),
+                          (1, None, "mlp-reversed", "per_param"), (2, True, "mlp-reversed", "flat")])
 def test_predicted_collectives_are_the_issued_ones(depth, reshard, kind, layout):
     lists = layout == "lists"
     layout = "per_param" if lists else layout
+    reverse = kind == "mlp-reversed"
     for issued, predicted, issued_bytes, bytes_, issued_counts, counts in run_ranks(
-            2, _issued_vs_predicted, depth, reshard, kind, layout, lists):
-        assert predicted == issued  # every collective, in order, of the same dtype and size
+            2, _issued_vs_predicted, depth, reshard, "mlp" if reverse else kind, layout, lists, reverse):
+        assert predicted == issued  # every collective, in order, of the same group, dtype and size
         assert bytes_ == issued_bytes and counts == issued_counts
+
+
+def test_a_forward_out_of_the_plans_order_is_refused_with_the_fix(mesh8):
+    """The runtime's forward prefetch follows the plan's order and its backward prefetch the order that ran: a
+    module running its groups in another order issues other collectives than the schedule's."""
+
+    class Reversed(_Blocks):
+        def forward(self, x):
+            for b in reversed(self.blocks):
+                x = x + b(x)
+            return x
+
+    with torch.device("meta"):
+        model = Reversed()
+    plan = funcshard.plan(model, mesh8, groups=(nn.Sequential,))
+    x = torch.empty(16, 64, device="meta")
+    order = ("blocks.3", "blocks.2", "blocks.1", "blocks.0")
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            f"run in the order {order}, not in the plan's order {order[::-1]}") + ".*" + re.escape(
+            f"plan.with_order({order!r})")):
+        C.estimate(plan, x)
+    ok = C.estimate(plan.with_order(order), x)
+    assert [c.group for c in ok.collectives if c.kind == "all-gather"][:4] == list(order)
 
 
 # ---- memory: the benchmark's systems and instrument ----------------------------------------------------------
 
 
+def _frozen_system(S, frozen_names):
+    """The benchmark's fs_apply system with some parameters frozen (no gradient, no optimizer state)."""
+
+    class Frozen(S.FSApply):
+        def __init__(self, cfg, mesh, device, x, y, precision="fp32"):
+            super().__init__(cfg, mesh, device, x, y, precision)
+            skeleton, frozen = self.plan.module, lambda k: k.startswith(frozen_names)  # noqa: E731
+            for name, p in skeleton.named_parameters():
+                p.requires_grad_(not frozen(name))
+            self.plan = self.plan.replace(specs={k: dataclasses.replace(s, requires_grad=not frozen(k))
+                                                 for k, s in self.plan.specs.items()})
+            self.frozen = {k: v.detach() for k, v in self.state.items() if frozen(k)}
+            self.state = {k: v for k, v in self.state.items() if not frozen(k)}
+            self.opt_state = self.tx.init(self.state)
+            plan, fixed = self.plan, self.frozen
+            self.step_fn = self.grad_transform(lambda st, x, y: S._loss(funcshard.apply(plan, {**st, **fixed}, x), y))
+
+    return Frozen
+
+
 def _measured_vs_predicted(variants):
     """Per variant (model config, precision, plan kwargs): the benchmark's fs_apply system on this rank, its peak
-    per LiveBytes (as bench.py measures it, after two steps), and the cost model's prediction for its plan."""
+    per LiveBytes (as bench.py measures it, after two steps), the cost model's prediction for its plan, and the
+    highest unsharded-parameter bytes funcshard.trace records in a step and the model predicts."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     import bench
     import systems as S
     from funcshard import optim
+    from funcshard.trace import trace
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -72,42 +157,54 @@ def _measured_vs_predicted(variants):
         cfg = getattr(bench, cfg_name, None) or S.ModelConfig(*MINI)
         t0 = time.perf_counter()
         x, y = S.batch(cfg, rank, world, torch.device("cpu"))
-        system = type("Variant", (S.FSApply,), {"plan_kwargs": kwargs})(cfg, mesh, torch.device("cpu"), x, y,
-                                                                        precision=precision)
+        kwargs = dict(kwargs)
+        frozen = kwargs.pop("frozen", None)
+        base = _frozen_system(S, frozen) if frozen else S.FSApply
+        system = type("Variant", (base,), {"plan_kwargs": kwargs})(cfg, mesh, torch.device("cpu"), x, y,
+                                                                   precision=precision)
         system.step()  # (bench.py measures after two steps; the second changes nothing the instrument sees)
         measured = bench._mem_step(system, torch.device("cpu"))["peak"]
+        with trace() as tr:
+            system.step()
+        traced = max(m["unsharded_params"] for _, m in tr.memory())
         tx = optim.adamw(lr=S.LR, betas=S.BETAS, eps=S.EPS, weight_decay=S.WD)
         cost = C.estimate(system.plan, x, loss=lambda out, y=y: S._loss(out, y), optimizer=tx, donate=S.DONATE,
                           _profiles=profiles.setdefault(cfg_name, {}))
-        out.append((cfg_name, precision, kwargs, measured, cost.peak_bytes, cost.peak.what, time.perf_counter() - t0))
+        out.append((cfg_name, precision, kwargs, measured, cost.peak_bytes, cost.peak.what, time.perf_counter() - t0,
+                    traced, cost.max_by_category()["unsharded_params"]))
     return out
 
 
 # the quick benchmark's models (bench.py --quick), and on a smaller GPT the plan choices the runtime executes
 # differently (benchmarks/cost_vs_measured.py covers the full benchmark's models)
 MINI = ("gpt-mini", 512, 64, 2, 4, 32, 2)  # ModelConfig: name, vocab, dim, heads, layers, seq, batch
+FROZEN = ("pos", "blocks.1.")  # a root group partly frozen; a block frozen whole (freed once its input's gradient is)
 VARIANTS = [("MINI", "fp32", {"prefetch": 0}), ("MINI", "fp32", {"reshard_after_forward": False}),
-            ("MINI", "fp32", {"layout": "flat"}), ("MINI", "bf16", {})]
+            ("MINI", "fp32", {"layout": "flat"}), ("MINI", "bf16", {}), ("MINI", "fp32", {"frozen": FROZEN}),
+            ("MINI", "bf16", {"frozen": FROZEN, "layout": "flat"})]
+TOLERANCE = 0.01  # measured: within 0.1 % on every variant; one block's reduce-scatter input is ~6 % of the peak
 SLOW_VARIANTS = [("MINI", "fp32", {}), ("TINY_Q", "fp32", {}), ("SMALL", "fp32", {}), ("SMALL", "fp32", {"prefetch": 2}),
                  ("SMALL", "bf16", {})]
 
 
-def _check_within_10_percent(variants):
+def _check_peaks(variants, tolerance=TOLERANCE):
     rows = run_ranks(2, _measured_vs_predicted, variants, timeout=300)
     for rank_rows in rows:
-        for cfg, precision, kwargs, measured, predicted, where, seconds in rank_rows:
-            assert abs(predicted / measured - 1) <= 0.10, (cfg, precision, kwargs, measured, predicted, where)
+        for cfg, precision, kwargs, measured, predicted, where, seconds, traced, unsharded in rank_rows:
+            assert abs(predicted / measured - 1) <= tolerance, (cfg, precision, kwargs, measured, predicted, where)
+            assert unsharded == traced, (cfg, precision, kwargs, unsharded, traced)  # the runtime's own bytes
 
 
-def test_peak_memory_within_10_percent_of_the_benchmarks_instrument():
+def test_peak_memory_within_1_percent_of_the_benchmarks_instrument():
     """The drift test: if the runtime changes what it allocates or when (or the model does), this fails."""
-    _check_within_10_percent(VARIANTS)
+    _check_peaks(VARIANTS)
 
 
 @pytest.mark.slow
-def test_peak_memory_within_10_percent_on_the_quick_benchmark_models():
-    """bench.py --quick's models (about a minute; ``python -m pytest -m slow tests/test_cost.py``)."""
-    _check_within_10_percent(SLOW_VARIANTS)
+def test_peak_memory_on_the_quick_benchmark_models():
+    """bench.py --quick's models (about a minute; ``python -m pytest -m slow tests/test_cost.py``); the issue's
+    10 %, measured within 3.2 % (benchmarks/COST.md)."""
+    _check_peaks(SLOW_VARIANTS, 0.10)
 
 
 # ---- one process: the replay's own rules -----------------------------------------------------------------------
@@ -200,3 +297,61 @@ def test_errors_name_the_fix(mesh8):
     with pytest.raises(TypeError, match=r"returns dict, not a tensor; pass loss=lambda out"):
         C.estimate(plan, torch.randn(2, 4))
     assert C.estimate(plan, torch.randn(2, 4), loss=lambda out: out["y"].sum()).peak_bytes > 0
+    with pytest.raises(ValueError, match=r"loss\(out\) must return a scalar tensor, got \(2, 4\); reduce it"):
+        C.estimate(plan, torch.randn(2, 4), loss=lambda out: out["y"])
+    with pytest.raises(ValueError, match=r"loss\(out\) does not depend on the parameters .* without \.detach\(\)"):
+        C.estimate(plan, torch.randn(2, 4), loss=lambda out: out["y"].detach().sum())
+
+
+def test_a_cuda_target_is_planned_on_a_machine_without_cuda(mesh8):
+    """A fake CUDA mesh on a CPU-only torch: traced on the CPU (fake CUDA tensors there abort the process), said so."""
+    with torch.device("meta"):
+        model = _Blocks()
+    plan = funcshard.plan(model, init_device_mesh("cuda", (8,)), groups=(nn.Sequential,))
+    cost = C.estimate(plan, torch.empty(16, 64, device="meta"))
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    assert cost.traced_on == on and cost.bytes_by_kind() == schedule(plan).totals()
+    cpu = C.estimate(funcshard.plan(model, mesh8, groups=(nn.Sequential,)), torch.empty(16, 64, device="meta"))
+    if on == "cpu":  # the same step as the CPU mesh's, but for gloo's reduce-scatter copy (NCCL has none)
+        assert "traced on cpu: this process has no cuda" in str(cost)
+        assert cost.max_by_category() == {**cpu.max_by_category(), "comm_buffers": cost.max_by_category()["comm_buffers"]}
+
+
+# ---- HSDP (all-reduce over the replicate axis) and int reshard_after_forward (issue 15) --------------------------
+
+
+def _mesh2d_issued_vs_predicted(shape, rsf, layout):
+    from models import MLP, Block
+    from test_mesh2d import GroupCollectives, _mesh
+
+    mesh = _mesh(shape)
+    torch.manual_seed(0)
+    plan = funcshard.plan(MLP(layers=3), mesh, groups=(Block,), layout=layout, reshard_after_forward=rsf)
+    state = funcshard.shard(plan)
+    x = torch.randn(2, 7)
+    loss = lambda out: out.square().sum()  # noqa: E731
+    step = funcshard.value_and_grad(lambda s: loss(funcshard.apply(plan, s, x)))
+    step(state)
+    with GroupCollectives() as rec:
+        step(state)
+    cost = C.estimate(plan, x, loss=loss)
+    issued = [(kind, len(ranks), dt, n, b) for kind, ranks, dt, n, b in rec.calls]
+    predicted = [(c.kind, c.world, c.dtype, c.numel, c.nbytes) for c in cost.collectives]
+    kept = max(p.bytes["sharded_params"] for p in cost.points) - cost.points[0].bytes["sharded_params"]
+    post = sum(c.numel * c.dtype.itemsize for op in schedule(plan).ops if op.kind == "all-gather"  # (their inputs)
+               for c in op.collectives if c.world < plan.mesh.size(plan.shard_axis))
+    return issued, predicted, cost.counts(), kept, post
+
+
+@pytest.mark.parametrize("shape,rsf,layout", [((2, 2), None, "per_param"), ((2, 2), True, "flat"),
+                                              ((1, 4), 2, "per_param"), ((1, 4), 2, "flat")])
+def test_hsdp_and_int_reshard_collectives_are_the_issued_ones(shape, rsf, layout):
+    """Each collective in issue order, with the size of its process group: the all-reduce of a reduce-scatter's
+    output over the replicate axis runs when the next group's post-backward takes it; an int reshard's backward
+    all-gather runs within blocks of k ranks, from the k-th each rank kept (counted as sharded parameters)."""
+    for issued, predicted, counts, kept, post in run_ranks(4, _mesh2d_issued_vs_predicted, shape, rsf, layout):
+        assert predicted == issued
+        if shape == (2, 2):
+            assert counts["all-reduce"] == counts["reduce-scatter"] == 4
+        else:
+            assert kept == post > 0 and "all-reduce" not in counts

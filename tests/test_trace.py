@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -81,3 +82,17 @@ def test_interval_arithmetic():
     assert xs == [(0, 2), (3, 4)]
     assert intersect(xs, [(1, 3.5)]) == [(1, 2), (3, 3.5)]
     assert complement(xs, -1, 5) == [(-1, 0), (2, 3), (4, 5)]
+
+
+def test_a_trace_entered_twice_is_refused():
+    tr = trace()
+    with tr:
+        with pytest.raises(RuntimeError, match=r"already recording \(entered twice, it would record every event "
+                                               r"twice\); nest a new one"):
+            tr.__enter__()
+        tr("freed", "blocks.0", None)
+        assert len(tr.events) == 1 and LISTENERS == [tr]
+    assert not LISTENERS
+    with tr:  # entered again after its exit: records on
+        tr("freed", "blocks.0", None)
+    assert len(tr.events) == 2
