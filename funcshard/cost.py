@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard._compat import all_gather_name, fake_store
+from funcshard._compat import all_gather_name, fake_store, torch_tree_leaves
 from funcshard._cost_trace import (
     BWD_END,
     BWD_START,
@@ -102,12 +102,14 @@ def _timed(fn: Callable[[], Any], repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | None = None) -> Hardware:
+def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | None = None,
+              quick: bool = False) -> Hardware:
     """Measure this process's figures in a few seconds: a 1024^3 fp32 matrix product (FLOP/s), a 64 MiB add
     (memory bytes/s), a loop of tiny adds (op overhead), and, when ``mesh`` has several ranks on a real process
     group, all-gathers of 4 KiB and 16 MiB per rank (latency, link bytes/s; every rank must call it then). Run it
     where the training runs (same device, same ``torch.set_num_threads``). ``group_overhead_s`` is left 0: pass
-    a measured one with ``dataclasses.replace``."""
+    a measured one with ``dataclasses.replace``. ``quick``: operands an eighth to a sixteenth as large, three
+    repeats: rougher figures in a fraction of the time (the notebooks use it)."""
     dev = torch.device(device) if device is not None else (
         torch.device("cpu") if mesh is None or mesh.device_type == "cpu" else torch.device(mesh.device_type,
                                                                                          torch.cuda.current_device()))
@@ -119,14 +121,14 @@ def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | No
             sync()
         return call
 
-    n = 1024
+    n, numel, big, repeats = (512, 2**20, 2**18, 3) if quick else (1024, 2**24, 2**22, 5)
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    flops = 2 * n**3 / _timed(run(lambda: a @ b))
-    x, y = torch.randn(2**24, device=dev), torch.randn(2**24, device=dev)
+    flops = 2 * n**3 / _timed(run(lambda: a @ b), repeats)
+    x, y = torch.randn(numel, device=dev), torch.randn(numel, device=dev)
     out = torch.empty_like(x)
-    mem = 3 * x.numel() * 4 / _timed(run(lambda: torch.add(x, y, out=out)))
+    mem = 3 * x.numel() * 4 / _timed(run(lambda: torch.add(x, y, out=out)), repeats)
     s = torch.ones(1, device=dev)
-    op = _timed(run(lambda: [torch.add(s, s) for _ in range(200)])) / 200
+    op = _timed(run(lambda: [torch.add(s, s) for _ in range(200)]), repeats) / 200
     link, latency = float("inf"), 0.0
     if mesh is not None and mesh.size(mesh.ndim - 1) > 1 and dist.get_backend(mesh.get_group(mesh.ndim - 1)) != "fake":
         pg = mesh.get_group(mesh.ndim - 1)
@@ -139,9 +141,9 @@ def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | No
             def once():
                 dist.barrier(group=pg)
                 getattr(dist, all_gather_name)(full, inp, group=pg)
-            return _timed(run(once), 7)
+            return _timed(run(once), repeats + 2)
 
-        small, big = 1024, 2**22
+        small = 1024
         t_small, t_big = gather_s(small), gather_s(big)
         latency = t_small
         link = (big - small) * 4 * (world - 1) / max(t_big - t_small, 1e-9)
@@ -538,22 +540,27 @@ def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None = None, optimizer: Any = None,
-             donate: bool = True, hardware: Hardware | None = None, _profiles: dict | None = None,
+             donate: bool = True, hardware: Hardware | None = None, profiles: dict | None = None,
              **kwargs: Any) -> Cost:
     """Predict one training step of ``plan`` per rank: ``loss(plan.module(*args, **kwargs))``, its backward, and
     ``optimizer``'s update (a ``funcshard.optim`` GradientTransformation; ``donate``: as ``update(...,
     donate=True)`` and ``apply_updates(..., donate=True)``; None: no optimizer). ``args``/``kwargs``: one rank's
     inputs, as real or meta tensors (only shapes and dtypes are read). ``loss``: default ``out.float().sum()``
-    for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only)."""
+    for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only).
+    ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
+    and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
+    prefetch, resharding and layout are the replay's alone)."""
     if loss is None:
         def loss(out):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"funcshard.cost.estimate: the module returns {type(out).__name__}, not a tensor; "
                                 f"pass loss=lambda out: ... returning a scalar tensor")
             return out.float().sum()
-    cache = _profiles if _profiles is not None else {}
+    cache = profiles if profiles is not None else {}
     key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups),
-           tuple((k, s.shape, s.dtype, s.requires_grad) for k, s in plan.specs.items()))
+           tuple((k, s.shape, s.dtype, s.requires_grad) for k, s in plan.specs.items()),
+           tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+                 for t in torch_tree_leaves((args, kwargs))))
     prof = cache.get(key)
     if prof is None:
         prof = cache[key] = profile_step(plan, args, kwargs, loss, _device(plan))
@@ -579,13 +586,15 @@ def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | N
           groups: Iterable[Any] = (None,), prefetch: Iterable[int] = (0, 1, 2),
           reshard_after_forward: Iterable[bool | None] = (None, False), mp_policy: Iterable[Any] = (None,),
           layout: Iterable[str] = ("per_param",), loss: Callable | None = None, optimizer: Any = None,
-          donate: bool = True, hardware: Hardware | None = None, **kwargs: Any) -> list[Cost]:
+          donate: bool = True, hardware: Hardware | None = None, profiles: dict | None = None,
+          **kwargs: Any) -> list[Cost]:
     """Every combination of the given plan choices (``funcshard.plan``'s arguments of those names), estimated;
     those whose peak fits ``budget`` bytes (None: all), fastest first (least memory first without ``hardware``).
-    One traced step per grouping and precision serves all the prefetch and reshard choices."""
+    One traced step per grouping and precision serves all the prefetch and reshard choices (``profiles``: a dict
+    keeping them for another sweep or estimate of the same module, inputs and loss, see :func:`estimate`)."""
     from funcshard._plan import plan as make_plan
 
-    profiles: dict = {}
+    profiles = {} if profiles is None else profiles
     out = []
     for gr in groups:
         for mp in mp_policy:
@@ -595,7 +604,7 @@ def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | N
                         p = make_plan(module, mesh, groups=gr, prefetch=depth, reshard_after_forward=rsf,
                                       mp_policy=mp, layout=lay)
                         c = estimate(p, *args, loss=loss, optimizer=optimizer, donate=donate, hardware=hardware,
-                                     _profiles=profiles, **kwargs)
+                                     profiles=profiles, **kwargs)
                         if budget is None or c.peak_bytes <= budget:
                             out.append(c)
     out.sort(key=lambda c: (c.step_s if c.step_s is not None else 0.0, c.peak_bytes))

@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the repository's funcshard, also in the spawned ranks
     sys.path.insert(0, str(ROOT))
 
+# imported here, once: forked ranks inherit them (importing them in each rank takes seconds)
+import funcshard  # noqa: E402,F401
+import funcshard.cost  # noqa: E402,F401
+import funcshard.demo  # noqa: E402,F401
+import torch.distributed.fsdp  # noqa: E402,F401
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402,F401
+
 # a small GPT (funcshard.demo's): vocab, dim, heads, layers, seq; and sequences per rank per step
-GPT_CONFIG = dict(vocab=256, d=64, heads=2, layers=4, seq=32)
+GPT_CONFIG = dict(vocab=256, d=64, heads=2, layers=4, seq=16)
 BATCH = 4
 SEED = 0
 
@@ -69,10 +76,13 @@ def _rank_main(rank, world, port, out_dir, fn, args):
 
 
 def spawn(fn, world: int, *args):
-    """``fn(*args)`` on ``world`` gloo ranks (``fn`` defined in an importable module); every rank's result."""
+    """``fn(*args)`` on ``world`` gloo ranks (``fn`` defined in an importable module); every rank's result. The
+    ranks are forked from this process where the platform can (Linux: a second each, where spawning a fresh
+    interpreter that imports torch takes several), else spawned."""
+    method = "fork" if "fork" in mp.get_all_start_methods() and sys.platform == "linux" else "spawn"
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_rank_main, args=(world, _port(), d, fn, args), nprocs=world, join=True,
-                           start_method="spawn")
+                           start_method=method)
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -157,7 +167,7 @@ def three_ways(steps: int):
 # ---- notebook 3: plans measured -------------------------------------------------------------------------
 
 
-def measure_plans(settings: list[dict], steps: int = 5):
+def measure_plans(settings: list[dict], steps: int = 3):
     """Per plan setting (``funcshard.plan`` keyword arguments): this rank's measured peak live bytes of a training
     step (forward, backward, AdamW update), its median step time, the calibrated hardware figures, the prediction
     for the same plan, and (first setting) the traced step's events."""
@@ -174,7 +184,7 @@ def measure_plans(settings: list[dict], steps: int = 5):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    hw = C.calibrate(mesh)
+    hw = C.calibrate(mesh, quick=True)
     x, y = batch(0, rank, world)
     out = {"hardware": dataclasses.asdict(hw), "plans": []}
     profiles: dict = {}
@@ -207,7 +217,7 @@ def measure_plans(settings: list[dict], steps: int = 5):
             with funcshard.trace.trace() as tr:
                 step()
             rec["trace"] = {"memory": tr.memory(), "spans": tr.spans(), "overlap": tr.overlap()}
-        cost = C.estimate(plan, x, loss=lambda out: loss_of(out, y), optimizer=tx, hardware=hw, _profiles=profiles)
+        cost = C.estimate(plan, x, loss=lambda out: loss_of(out, y), optimizer=tx, hardware=hw, profiles=profiles)
         rec.update(predicted_peak=cost.peak_bytes, predicted_s=cost.step_s,
                    predicted_points=[(p.t, p.bytes) for p in cost.points],
                    predicted_intervals=[(i.lane, i.what, i.start, i.end) for i in cost.intervals])

@@ -3,7 +3,8 @@
     python notebooks/run.py                 # all of them (about a minute on 2 cores)
     python notebooks/run.py 3_exploring_schedules.ipynb
 
-``tests/test_notebooks.py`` executes them the same way (without writing) in the test suite.
+``tests/test_notebooks.py`` executes them in the test suite (without writing), in one kernel
+(``execute_in_one_kernel``: the imports once).
 """
 
 from __future__ import annotations
@@ -24,6 +25,25 @@ def execute(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
     return nb
+
+
+def execute_in_one_kernel(paths: list[Path], timeout: int = 600) -> list[nbformat.NotebookNode]:
+    """The notebooks executed one after another in one kernel, its namespace reset (``%reset -f``) before each: every
+    cell runs as in a fresh kernel but for the modules already imported (torch, funcshard, matplotlib: seconds of
+    CPU per kernel, what the test suite saves). Raises on a cell's error."""
+    nbs = [nbformat.read(p, as_version=4) for p in paths]
+    client = NotebookClient(nbs[0], timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}})
+    reset = nbformat.v4.new_code_cell('get_ipython().run_line_magic("reset", "-f")\n'
+                                      'import matplotlib.pyplot\nmatplotlib.pyplot.close("all")')
+    with client.setup_kernel():
+        for k, nb in enumerate(nbs):
+            client.nb = nb  # (the cells' outputs go to their notebook)
+            client.reset_execution_trackers()
+            if k:
+                client.execute_cell(reset, 0)
+            for i, cell in enumerate(nb.cells):
+                client.execute_cell(cell, i)
+    return nbs
 
 
 def main(argv: list[str]) -> int:
