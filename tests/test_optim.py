@@ -647,6 +647,15 @@ def _shards(tree, world, rank):
     return {k: _shard_dim0(v.reshape(-1) if v.dim() == 0 else v, world, rank) for k, v in tree.items()}
 
 
+def _torch_step(opt, theirs, params, gen):
+    """Draw the next gradients, step torch's optimizer on them, return them (for funcshard's step)."""
+    grads = _random_grads(params, gen)
+    for t, g in zip(theirs, grads.values()):
+        t.grad = g.clone()
+    opt.step()
+    return grads
+
+
 @pytest.mark.parametrize("name", sorted(TORCH_PAIRS))
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("donate", [False, True])
@@ -662,10 +671,7 @@ def test_step_is_torch_bit_for_bit(name, world, donate):
     states = [tx.init(p) for tx, p in zip(txs, ours)]
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
-        grads = _random_grads(params, gen)
-        for t, g in zip(theirs, grads.values()):
-            t.grad = g.clone()
-        opt.step()
+        grads = _torch_step(opt, theirs, params, gen)
         for r in range(world):
             ours[r], states[r] = optim.step(txs[r], _shards(grads, world, r), states[r], ours[r], donate=donate)
         for k, t in zip(params, theirs):
@@ -682,10 +688,7 @@ def test_step_with_a_schedule_is_torch_lambdalr_bit_for_bit():
     ours, state = dict(params), tx.init(params)
     gen = torch.Generator().manual_seed(2)
     for _ in range(5):
-        grads = _random_grads(params, gen)
-        for t, g in zip(theirs, grads.values()):
-            t.grad = g.clone()
-        opt.step()
+        grads = _torch_step(opt, theirs, params, gen)
         sched.step()
         ours, state = optim.step(tx, grads, state, ours)
     assert all(torch.equal(ours[k], t.detach()) for k, t in zip(params, theirs))
