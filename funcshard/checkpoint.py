@@ -294,13 +294,14 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
         return state
     step = int(steps.pop())
     for tree in filled.values():
-        mark(specs.values(), tree.values())
+        mark([specs[k] for k in tree], tree.values())
     return state, _rebuild(opt_state, filled, step)
 
 
 def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
     if optim.is_chain_state(opt_state):
-        return type(opt_state)(*(_rebuild(s, filled, step) for s in opt_state))
+        parts = [_rebuild(s, filled, step) for s in opt_state]
+        return tuple(parts) if type(opt_state) is tuple else type(opt_state)(*parts)
     changes = {f: filled[id(opt_state), f] for f in opt_state._fields if (id(opt_state), f) in filled}
     if "count" in opt_state._fields:
         changes["count"] = step
@@ -315,8 +316,8 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     """Write the full parameters (and the module's buffers) from rank ``rank``, one group at a time.
 
     ``to``: a path (a ``safetensors`` file, parameters under their canonical paths: tied ones once) or a callable
-    ``fn(name, tensor)`` called on rank ``rank`` for each parameter and buffer, in group order (the tensor is valid
-    during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
+    ``fn(name, tensor)`` called on rank ``rank`` (the index on the shard axis; on an HSDP mesh, of the first replica)
+    for each parameter and buffer, in group order (the tensor is valid during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
     is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
     never the whole model. On an HSDP mesh the first replica (index 0 on the replicate axis) gathers and writes; the
     other replicas only wait for the outcome.
@@ -331,6 +332,10 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     import torch.distributed as dist
 
     check_state(plan, state)
+    if not (isinstance(rank, int) and 0 <= rank < plan.mesh.size(plan.shard_axis)):
+        raise ValueError(f"export_full: rank={rank!r} is not an index on the shard axis (axis {plan.shard_axis} of "
+                         f"{plan.mesh}, size {plan.mesh.size(plan.shard_axis)}); pass 0 <= rank < "
+                         f"{plan.mesh.size(plan.shard_axis)} (on an HSDP mesh: the index in the first replica)")
     pg, me = plan.shard_group()
     rg = plan.replicate_group()  # HSDP: the replicas hold the same shards; the first one gathers and writes
     first = rg is None or plan.mesh.get_local_rank(plan.replicate_axis) == 0
@@ -402,7 +407,10 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
             dist.broadcast_object_list(msg, src=dist.get_global_rank(rg, 0), group=rg)
         if failed is not None:
             raise failed
-        raise ShardingError(f"export_full: the writing rank ({rank} of axis {plan.shard_axis}) failed, "
+        where = f"{rank} of axis {plan.shard_axis}"
+        if rg is not None:
+            where += f" in replica 0 of axis {plan.replicate_axis}"
+        raise ShardingError(f"export_full: the writing rank ({where}) failed, "
                             f"{'the previous file is kept' if tmp else 'the callable stopped'}: {msg[0]}")
 
 

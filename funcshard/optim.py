@@ -231,7 +231,7 @@ def _serve(cls: type) -> None:
 
 for _cls in _STATES:
     _serve(_cls)
-for _n in range(17):  # made at import, so that torch.load(weights_only=True) finds them in a fresh process
+for _n in range(65):  # made at import, so that torch.load(weights_only=True) finds them in a fresh process
     chain_state_class(_n)
 
 
@@ -616,7 +616,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
                 out = g
             else:
                 out = foreach_add(g, buf, alpha=decay) if nesterov else buf
-        inherit(tree_flatten(state.trace)[0] if state.count else g, buf)
+        inherit(tree_flatten(state.trace)[0], buf)  # (init's zeros are marked like the params)
         new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
         return tree_unflatten(spec, out), new_state
 
