@@ -504,11 +504,18 @@ def _nested_order(fully_shard, prefetch=0, residual=False):
         with GroupCollectives() as rec:
             model(x).square().sum().backward()
         plan = model.__dict__[UNIT].ctx.plan()
-    else:
-        plan = funcshard.plan(model, mesh, groups=["0", "0.inner"], prefetch=prefetch)
-        state = funcshard.shard(plan)
-        with GroupCollectives() as rec:
-            funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+        return _issued(rec, plan.mesh), _planned(plan), plan.collective_order()
+    return _apply_step(funcshard.plan(model, mesh, groups=["0", "0.inner"], prefetch=prefetch), x)
+
+
+def _apply_step(plan, x):
+    """One value_and_grad step of ``apply``: (the collectives issued, the schedule's, the printed order)."""
+    import funcshard
+    from test_mesh2d import GroupCollectives
+
+    state = funcshard.shard(plan)
+    with GroupCollectives() as rec:
+        funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
     return _issued(rec, plan.mesh), _planned(plan), plan.collective_order()
 
 
@@ -528,15 +535,10 @@ def test_nested_groups_backward_order_is_the_schedules(path, prefetch, residual)
 def _hsdp_order(prefetch):
     import funcshard
     from models import MLP, Block
-    from test_mesh2d import GroupCollectives
 
     torch.manual_seed(0)
     plan = funcshard.plan(MLP(layers=2), _mesh(Case(0, 4, Node(), mesh=(2, 2))), groups=(Block,), prefetch=prefetch)
-    state = funcshard.shard(plan)
-    x = torch.randn(2, 7)
-    with GroupCollectives() as rec:
-        funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
-    return _issued(rec, plan.mesh), _planned(plan), plan.collective_order()
+    return _apply_step(plan, torch.randn(2, 7))
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21 repro (tests/test_random.py::_hsdp_order): HSDP (2x2 mesh) at "
