@@ -28,7 +28,7 @@ the ranks' gradients in its own order, not the reference's 0, 1, 2, .... bfloat1
 reduce-scattered in bfloat16 (no ``mp_policy``: the reduce dtype is the parameter's), so each partial sum rounds to
 8 bits: compared within 4 * W bf16 ulps of the largest value.
 
-Budget: ``FUNCSHARD_RANDOM_EXAMPLES`` examples per mesh (default 3; W = 1 and 2x2: two thirds), derandomized: the
+Budget: ``FUNCSHARD_RANDOM_EXAMPLES`` examples per mesh (default 6; W = 1 and 2x2: two thirds), derandomized: the
 same examples on every run, so CI is deterministic. A longer run with a fresh seed: ``python
 benchmarks/random_long.py`` (README).
 """
@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 from multirank import run_ranks
 
-EXAMPLES = int(os.environ.get("FUNCSHARD_RANDOM_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("FUNCSHARD_RANDOM_EXAMPLES", "6"))
 RANDOM = os.environ.get("FUNCSHARD_RANDOM_SEED") is not None  # benchmarks/random_long.py: not derandomized
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i64": torch.int64}
 BATCH = 3

