@@ -131,8 +131,8 @@ def verdict(samples, warmup, steps, rss_slack):
     growth = _slope([(i, r) for i, r, _ in after]) * (steps - warmup)
     return {"first_rss": samples[0][1], "last_rss": samples[-1][1], "first_tensors": samples[0][2],
             "last_tensors": samples[-1][2], "warm_rss": after[0][1] if after else None,
-            "warm_tensors": counts[0] if counts else None, "tensor_range": (min(counts), max(counts)) if counts else None,
-            "rss_growth_mib": growth,
+            "warm_tensors": counts[0] if counts else None,
+            "tensor_range": (min(counts), max(counts)) if counts else None, "rss_growth_mib": growth,
             "ok": bool(counts) and min(counts) == max(counts) and growth <= rss_slack}
 
 

@@ -19,7 +19,8 @@ bit for bit, and the collectives each process group ran equal to the plan's sche
 source), in order, process group size, dtype and size (``fully_shard``: the schedule of the plan it built). With
 nested groups the order is not checked, only the collectives as a multiset: see
 ``test_nested_groups_backward_order_is_the_schedules`` (an xfail, found here). ``fully_shard`` refuses 0-dim
-parameters (FSDP2's rule): a case with one checks that error instead.
+parameters (FSDP2's rule) and a parameter tied across units (``plan`` puts it in the root group): a case with either
+checks that error instead.
 
 Gradients are not bit-identical, so float32 ones are compared within rtol 1e-5 / atol 1e-6 of the tensor's largest
 value: funcshard's autograd nodes at group boundaries change the order in which autograd adds a tensor's gradient
@@ -315,6 +316,13 @@ def run_case(case: Case):
     units = [g.modules for g in plan.groups if not g.is_root]
     inside = [m for ms in units for m in ms]
     out["nested"] = any(b.startswith(a + ".") for a in inside for b in inside)
+
+    def unit_of(param_path):  # the innermost unit holding the parameter's module (None: the root's)
+        mod = param_path.rpartition(".")[0]
+        held = [(len(m), i) for i, ms in enumerate(units) for m in ms if mod == m or mod.startswith(m + ".")]
+        return max(held)[1] if held else None
+
+    out["tie_across_units"] = any(unit_of(src) != unit_of(dst) for src, dst in case.ties)
     try:
         out["fully_shard"] = _fully_shard(case, units)
     except Exception as e:  # reported by the caller with the case
@@ -361,13 +369,20 @@ def check(case: Case):
     interleaved = len(case.mesh) == 2 and backward_depth == 0
     for r, res in enumerate(results):
         fs = res["fully_shard"]
-        if scalar:  # FSDP2's rule, kept by fully_shard
-            m = re.match(r"ValueError: fully_shard doesn't support scalar parameters. Change (\S+) to a 1D tensor "
-                         r"with numel equal to 1.", fs.get("error", ""))
-            assert m and any(n == m[1] or n.endswith("." + m[1]) for n in scalar), fs  # (relative to the unit)
+        refusals = []  # what fully_shard refuses, by design: whichever its calls meet first
+        if scalar:  # FSDP2's rule (the path is relative to the unit)
+            refusals.append(r"ValueError: fully_shard doesn't support scalar parameters. Change [\w.]+ to a 1D tensor "
+                            r"with numel equal to 1.")
+        if res["tie_across_units"]:  # plan puts such a parameter in the root group; a unit cannot
+            refusals.append(r"ValueError: fully_shard\([^:]+\): parameter '[\w.]+' is shared with \(tied to\) a "
+                            r"parameter already managed by another fully_shard call, on [^;]+; a parameter belongs to "
+                            r"one unit: shard the modules sharing it together")
+        if refusals:
+            assert any(re.match(p, fs.get("error", "")) for p in refusals), (fs, case)
         else:
             assert "error" not in fs, f"fully_shard raised on rank {r}:\n{fs.get('error')}\n{case}"
-        for path, got in [("apply", res)] + [("fully_shard", fs)] * (not scalar):
+        skip = bool(refusals)
+        for path, got in [("apply", res)] + [("fully_shard", fs)] * (not skip):
             assert got["loss"] == want_losses[r], (path, "loss", r, got["loss"], want_losses[r])
             assert_grads_close(got["grads"], want_grads, case.world, f"{path} rank {r}")
             assert same_collectives(got["issued"], got["planned"], res["nested"], interleaved), (
