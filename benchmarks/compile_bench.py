@@ -10,7 +10,10 @@ Systems (same GPT, seed, batch and AdamW as bench.py; systems.py builds them):
   fs_apply              apply under funcshard.value_and_grad, eager
   fs_apply_compiled     torch.compile(value_and_grad(loss over apply)): graph breaks at the runtime's entry points
   fs_traced             value_and_grad(torch.compile(loss over traced_apply, fullgraph=True)): one forward graph
-                        and one backward graph, collectives inside (funcshard's fully traced mode)
+                        and one backward graph, collectives inside (funcshard's fully traced mode); the blocks
+                        reshard after forward (the plan's default): their all-gathers run again in the backward graph
+  fs_traced_keep        the same with reshard_after_forward=False: every group gathered once, its unsharded
+                        parameters kept from the forward graph to the backward graph (no re-gather)
 Per system: the first step (compile included) and the median of ``--steps`` later steps; compile time = first step
 minus the median. Systems run one after the other in the same ranks (not interleaved, unlike bench.py): ratios from
 one run on a shared 2-core machine move by 10-20 %.
@@ -35,7 +38,8 @@ import systems as S  # noqa: E402
 MODELS = {"gpt-3M": S.ModelConfig("gpt-3M", 2048, 128, 4, 12, 64, 2),
           "tiny-13g": S.ModelConfig("tiny-13g", 128, 32, 2, 12, 16, 1),
           "gpt-10M": S.ModelConfig("gpt-10M", 4096, 256, 4, 12, 128, 2)}
-SYSTEMS = ("fsdp2", "fsdp2_cblocks", "fs_fully_shard_cblocks", "fs_apply", "fs_apply_compiled", "fs_traced")
+SYSTEMS = ("fsdp2", "fsdp2_cblocks", "fs_fully_shard_cblocks", "fs_apply", "fs_apply_compiled", "fs_traced",
+           "fs_traced_keep")
 
 
 def _build(name, cfg, mesh, x, y, backend):
@@ -57,11 +61,14 @@ def _build(name, cfg, mesh, x, y, backend):
 
         cfg = type("Cfg", (), {"build": staticmethod(compiled_blocks)})()
         return base(cfg, mesh, "cpu", x, y)
-    sys_ = S.FSApply(cfg, mesh, "cpu", x, y)
+    base = S.FSApply
+    if name == "fs_traced_keep":
+        base = type("FSApplyKeep", (S.FSApply,), {"plan_kwargs": {"reshard_after_forward": False}})
+    sys_ = base(cfg, mesh, "cpu", x, y)
     plan = sys_.plan
     if name == "fs_apply_compiled":
         sys_.step_fn = torch.compile(sys_.step_fn, backend=backend)
-    else:  # fs_traced
+    else:  # fs_traced, fs_traced_keep
         loss = torch.compile(lambda state, x, y: S._loss(funcshard.traced_apply(plan, state, x), y),
                              backend=backend, fullgraph=True)
         sys_.step_fn = funcshard.value_and_grad(loss)

@@ -135,6 +135,10 @@ def fake_store():
 import torch.distributed._functional_collectives as _funcol  # noqa: E402
 
 all_gather_autograd = getattr(_funcol, "all_gather_single_autograd", None) or _funcol.all_gather_tensor_autograd
+# The functional collectives' ops themselves (group given by name; each result waited on with ``wait_tensor``): what
+# ``_traced._Gather`` runs in forward (all_gather_into_tensor) and backward (reduce_scatter_tensor, all_reduce), the
+# same schema in torch 2.11 and 2.13.
+c10d_functional = require("torch.ops._c10d_functional")
 
 # ---- torch.distributed.checkpoint's object protocol (``_Checkpointable``; DTensor implements it) ---------------
 # DCP asks each state-dict value ``hasattr(obj, name)`` for these names, then calls them: funcshard sets them per
@@ -152,7 +156,7 @@ def dcp_bytes_write_items(fqn: str, obj) -> list:
 
 
 __all__ = [
-    "all_gather_autograd",
+    "all_gather_autograd", "c10d_functional",
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
