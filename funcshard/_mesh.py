@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard._compat import StridedShard, concatenate_meshes, dtensor_local, root_mesh
+from funcshard._compat import StridedShard, concatenate_meshes, root_mesh
 from funcshard._spec import ModelSharding, ShardingError
 
 
@@ -335,8 +335,3 @@ def _local_offsets(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) 
         offsets[d] += start
         sizes[d] = max(0, min(chunk, n - start))
     return tuple(offsets)
-
-
-def model_local(param):
-    """A model-sharded (DTensor) parameter's local tensor, without autograd (what FSDP shards)."""
-    return dtensor_local(param)

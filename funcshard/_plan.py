@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
 from funcshard._mesh import (
     axis_name,
     dp_axes,
     mesh_str,
-    model_local,
     model_sharding,
     post_forward_group,
     resolve_full_mesh,
@@ -438,7 +438,7 @@ def _model_spec(fqn: str, p: torch.Tensor, mesh: DeviceMesh, dim: int, spmd) -> 
         raise ShardingError(
             f"{fqn}: a plain tensor; with dp_mesh_dims every parameter must be a DTensor on the full SPMD mesh "
             f"(distribute it there with Replicate() on the data-parallel axes), as FSDP2 requires")
-    local = model_local(p)
+    local = dtensor_local(p)
     lo, hi = dim_range(tuple(local.shape))
     return local, model_sharding(fqn, p, mesh, dim % (hi + 1) if lo <= dim <= hi else dim, spmd)
 

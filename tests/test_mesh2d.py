@@ -157,11 +157,12 @@ def _parities(cases):
 
 
 def test_fully_shard_matches_fsdp2_at_three_ranks():
-    """W = 3 (a size that is not a power of two): 1-D, 1x3 and 3x1. Each gradient is divided once by 3 in both systems
-    (FSDP2: gloo's AVG, the sum then a divide in the same dtype; funcshard: the sum, then one divide), so the bits
-    agree here too; they could differ only where FSDP2 averages twice (a divide on each axis of an HSDP mesh with
-    both axes > 1, e.g. 2x3 = 6 ranks, not run here: a rounding per divide, a few ulps)."""
-    for res in run_ranks(3, _parities, [((3,), ["plain", "hook"]), ((1, 3), ["plain"]), ((3, 1), ["plain"])]):
+    """W = 3 (a size that is not a power of two): 1-D (the reduce-scatter's divide) and 3x1 (the all-reduce's). Each
+    gradient is divided once by 3 in both systems (FSDP2: gloo's AVG, the sum then a divide in the same dtype;
+    funcshard: the sum, then one divide), so the bits agree: tolerance 0. They could differ only where FSDP2 averages
+    twice (a divide on each axis of an HSDP mesh with both axes > 1 and one of them not a power of two, e.g. 2x3 = 6
+    ranks, not run here: a rounding per divide, a few ulps)."""
+    for res in run_ranks(3, _parities, [((3,), ["plain", "hook"]), ((3, 1), ["plain"])]):
         for shape, by_name in res.items():
             for name, (numbers, params, ref, got) in by_name.items():
                 assert numbers == 0 and params == 0, (shape, name, numbers, params)

@@ -4,7 +4,8 @@
 over the full SPMD mesh (parameters DTensors on it, ``Replicate()`` on dp), on both paths: ``fully_shard`` against
 torch's FSDP2 (losses and parameters bit for bit, the collectives of every mesh axis equal), ``funcshard.plan`` +
 ``value_and_grad`` against FSDP2 (1e-6) and against one process training the plain model on the global batch (1e-5);
-int ``reshard_after_forward`` with TP (FSDP2 refuses it); DCP checkpoints cross-loading with FSDP2's; the errors.
+HSDP over TP (a (rep, dp, tp) mesh, ``replicate='rep'``); int ``reshard_after_forward`` with TP (FSDP2 refuses it);
+DCP checkpoints cross-loading with FSDP2's; the errors.
 
 Each rank of a dp group (its tp ranks) gets the same batch (tensor parallel splits the model, not the data); dp
 groups get different ones. One pool of 4 ranks, several checks per spawn (gloo pools of 4 are expensive).
@@ -52,8 +53,8 @@ class SPMDMLP(TPMLP):
 
     def forward(self, x):
         mesh = self.inp.weight.device_mesh
-        out = super().forward(DTensor.from_local(x, mesh, (Shard(0), Replicate())))
-        return out.redistribute(mesh, (Shard(0), Replicate())).to_local()
+        batch = (Shard(0),) * (mesh.ndim - 1) + (Replicate(),)  # (the data-parallel axes, then tp)
+        return super().forward(DTensor.from_local(x, mesh, batch)).redistribute(mesh, batch).to_local()
 
 
 def _tp_placements(fqn: str) -> tuple:
@@ -76,7 +77,8 @@ def _model(mesh, form: str) -> MLP:
         for name, mod in model.named_modules():
             for attr, p in list(mod._parameters.items()):
                 fqn = f"{name}.{attr}"
-                mod._parameters[attr] = nn.Parameter(distribute_tensor(p.detach(), mesh, (Replicate(),) + (
+                mod._parameters[attr] = nn.Parameter(distribute_tensor(p.detach(), mesh, (Replicate(),) * (
+                    mesh.ndim - 1) + (
                     _tp_placements(fqn) if ".blocks." in f".{fqn}" else (Replicate(),))))
     return model
 
@@ -89,15 +91,23 @@ def _batch(step, dp_rank):
 
 def _sharded(fs, mesh, form, **kw):
     model = _model(mesh, form)
-    where = {"mesh": mesh["dp"]} if form == "tp" else {"mesh": mesh, "dp_mesh_dims": _dims(fs)}
+    where = {"mesh": mesh["dp"]} if form == "tp" else {"mesh": mesh, "dp_mesh_dims": _dims(fs, mesh)}
     for b in model.blocks:
         fs.fully_shard(b, **where, **kw)
     fs.fully_shard(model, **where, **kw)
     return model
 
 
-def _dims(fs):
-    return (torch_fsdp.DataParallelMeshDims if fs is torch_fsdp else DataParallelMeshDims)(shard="dp")
+def _dims(fs, mesh):
+    return (torch_fsdp.DataParallelMeshDims if fs is torch_fsdp else DataParallelMeshDims)(
+        shard="dp", replicate="rep" if "rep" in mesh.mesh_dim_names else None)
+
+
+def _dp_rank(mesh):
+    """This rank's data-parallel index (its batch): over dp, or (rep, dp) on a 3-D mesh."""
+    names = mesh.mesh_dim_names
+    return mesh.get_local_rank("dp") + (mesh.size(names.index("dp")) * mesh.get_local_rank("rep") if "rep" in names
+                                        else 0)
 
 
 def _locals(model):
@@ -116,7 +126,7 @@ def _train_module(fs, mesh, form, **kw):
     losses = []
     with GroupCollectives() as rec:
         for s in range(STEPS):
-            x, y = _batch(s, mesh.get_local_rank("dp"))
+            x, y = _batch(s, _dp_rank(mesh))
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
@@ -144,7 +154,7 @@ def _train_functional(mesh, form):
     losses = []
     with GroupCollectives() as rec:
         for s in range(STEPS):
-            x, y = _batch(s, mesh.get_local_rank("dp"))
+            x, y = _batch(s, _dp_rank(mesh))
             loss, grads = funcshard.value_and_grad(lambda st: F.mse_loss(funcshard.apply(plan, st, x), y))(state)
             updates, opt_state = tx.update(grads, opt_state, state)
             state = optim.apply_updates(state, updates)
@@ -186,7 +196,8 @@ def _parity(form):
     fs_run = _train_module(funcshard, mesh, form)
     fn_run = _train_functional(mesh, form)
     if torch_run is not None:
-        out["module vs FSDP2"] = (max(abs(a - b) for a, b in zip(torch_run[0], fs_run[0])), _gap(torch_run[1], fs_run[1]))
+        out["module vs FSDP2"] = (max(abs(a - b) for a, b in zip(torch_run[0], fs_run[0])),
+                                  _gap(torch_run[1], fs_run[1]))
         out["placements"] = torch_run[4] == fs_run[4]
         out["traffic"] = (torch_run[3], fs_run[3])
         out["functional vs FSDP2"] = (max(abs(a - b) for a, b in zip(torch_run[0], fn_run[0])),
@@ -207,7 +218,7 @@ def test_fsdp_over_tp_matches_fsdp2_and_one_process(form):
     a few ulps), its dp axis runs the plan's schedule, its tp axis what FSDP2's does. Both within 1e-5 of one process
     training the plain model on the global batch. (torch 2.11 has no dp_mesh_dims: the SPMD form runs funcshard
     against the one-process reference only.)"""
-    for res in run_ranks(4, _parity, form):
+    for res in run_ranks(4, _parity, form, timeout=300):  # (three 10-step runs and a reference: slow under load)
         if form == "tp" or HAS_DP_MESH_DIMS:
             assert res["module vs FSDP2"] == (0.0, 0.0) and res["placements"], res
             ref, got = res["traffic"]
@@ -222,6 +233,24 @@ def test_fsdp_over_tp_matches_fsdp2_and_one_process(form):
         placed = "(dp: R, tp: S(0))" if form == "spmd" else "(tp: S(0))"
         assert f"blocks.0.l1.weight: (16, 8) model-sharded {placed}, its local (8, 8) float32 dim 0 over axis 0 -> " \
                f"local (4, 8)" in res["plan"], res["plan"]
+
+
+def _hsdp_over_tp():
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "dp", "tp"))
+    ref, got = (_train_module(fs, mesh, "spmd") for fs in (torch_fsdp, funcshard))
+    return ref[0] == got[0], _gap(ref[1], got[1]), ref[4] == got[4], ref[3], got[3]
+
+
+@pytest.mark.skipif(not HAS_DP_MESH_DIMS, reason="torch's FSDP2 has dp_mesh_dims from 2.12 on")
+def test_hsdp_over_tp_matches_fsdp2():
+    """dp_mesh_dims=DataParallelMeshDims(shard='dp', replicate='rep') on a (rep=2, dp=1, tp=2) mesh: gradients
+    all-reduced over rep after the (one-rank) reduce-scatter over dp; FSDP2's losses, parameters and placements bit for
+    bit over 10 steps and the same collectives on each axis (FSDP2's all-gathers over its one-rank dp axis move
+    nothing: funcshard issues none, as on a 1xN mesh in test_mesh2d)."""
+    for same_losses, params, placements, ref, got in run_ranks(4, _hsdp_over_tp):
+        assert same_losses and params == 0 and placements, (same_losses, params, placements)
+        assert {k: v for k, v in ref.items() if k[1] != "dp"} == got, (ref, got)  # (dp: one rank)
+        assert got[("all-reduce", "rep")][0] == 3 * STEPS, got  # one per group and step
 
 
 # ---- int reshard_after_forward with tensor parallel (FSDP2 refuses it in both forms) --------------------------------
@@ -283,7 +312,8 @@ def _errors():
         on_dp.blocks[0], funcshard.FSDPModule)
     sharded_dp = _model(mesh, "spmd")
     w = sharded_dp.blocks[0].l1.weight
-    sharded_dp.blocks[0].l1.weight = nn.Parameter(distribute_tensor(w.detach().full_tensor(), mesh, (Shard(0), Shard(0))))
+    full = w.detach().full_tensor()
+    sharded_dp.blocks[0].l1.weight = nn.Parameter(distribute_tensor(full, mesh, (Shard(0), Shard(0))))
     dims = DataParallelMeshDims(shard="dp")
     catch("dp axis sharded", lambda: funcshard.fully_shard(sharded_dp.blocks[0], mesh=mesh, dp_mesh_dims=dims))
     catch("plain with dims", lambda: funcshard.fully_shard(_model(mesh, "plain"), mesh=mesh, dp_mesh_dims=dims))
@@ -300,7 +330,8 @@ def _errors():
 
 
 ERRORS = {
-    "other root": r"ShardingError: cannot shard over mesh DeviceMesh\('cpu', shape \(dp=2\)\):\n  blocks.0.l1.weight: a "
+    "other root": r"ShardingError: cannot shard over mesh DeviceMesh\('cpu', shape \(dp=2\)\):\n  blocks.0.l1.weight: "
+                  r"a "
                   r"DTensor on mesh DeviceMesh\('cpu', shape \(b=2\)\) with placements \[Shard\(dim=0\)\], and the "
                   r"data-parallel mesh DeviceMesh\('cpu', shape \(dp=2\)\) is not sliced from the same mesh; build one "
                   r"mesh.*use mesh\['tp'\] for tensor parallel and mesh\['dp'\] for fully_shard",
@@ -379,4 +410,5 @@ def _dcp(path):
 
 def test_dcp_checkpoints_cross_load_with_fsdp2(tmp_path):
     for res in run_ranks(4, _dcp, str(tmp_path)):
-        assert res == {"torch.distributed.fsdp": (True, True), "funcshard": (True, True), "functional": [True, True]}, res
+        assert res == {"torch.distributed.fsdp": (True, True), "funcshard": (True, True),
+                       "functional": [True, True]}, res

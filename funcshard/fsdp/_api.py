@@ -17,14 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
+from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
     check_mesh,
     default_fsdp_mesh,
     device_of,
     dp_axes,
-    model_local,
     model_sharding,
     spmd_dp_mesh,
 )
@@ -411,7 +410,7 @@ def fully_shard(
             raise _not_built("shard_placement_fn returning a per-parameter mesh (ShardPlacementResult)",
                              "return Shard(dim) or None")
         dim = 0 if placement is None else placement.dim
-        local = model_local(p) if isinstance(p, DTensor) else p  # (tensor parallel: its local tensor is sharded)
+        local = dtensor_local(p) if isinstance(p, DTensor) else p  # (tensor parallel: its local tensor is sharded)
         lo, hi = dim_range(tuple(local.shape))
         if not lo <= dim <= hi:
             raise FullyShardError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape "
