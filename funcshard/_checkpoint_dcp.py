@@ -10,11 +10,18 @@ loads write straight into the shard.
 
 The foot-gun guard: a plain ``dict`` of shards handed to ``dcp.save``/``dcp.load`` is, to DCP, a dict of replicas
 (every rank the same key, so one rank's tensor is kept for each key: silent corruption). ``mark`` records which
-tensors are shards of a multi-rank plan (weakly; ``shard``, ``funcshard.optim`` and ``funcshard.checkpoint.load``
-mark what they return) and the first mark installs a class-level ``__create_write_items__`` /
-``__create_chunk_list__`` lookup on ``torch.Tensor`` that is absent (``AttributeError``, so DCP's ``hasattr`` sees
-nothing) for every tensor but a marked shard, for which it raises a ``ShardingError`` pointing to
-``funcshard.checkpoint``.
+tensors are shards of a multi-rank plan (``shard``, ``funcshard.optim`` and ``funcshard.checkpoint.load`` mark
+what they return, and the optimizers pass the mark on to the moments they make) by giving each such tensor its own
+answer to DCP's protocol names (instance attributes; nothing is set on ``torch.Tensor``, so no other tensor
+changes; the answer is the mark: ``spec_of`` reads it): a :class:`_Refusal`, which raises a ``ShardingError``
+pointing to ``funcshard.checkpoint``. The optimizer states (tuples, which DCP pickles whole without looking inside) answer the same way when they hold a
+marked shard (:func:`refuse_container`). A marked shard pickles (``torch.save``) as a plain tensor: its instance
+attributes (the answers, and any of the user's) are left out of its pickled state.
+
+What it cannot see: a tensor the user derives from a shard (``clone()``, ``.to()``, ``detach()``, arithmetic) is a
+new tensor without the mark, which DCP saves as a replica again, and so is a shard that went through
+``torch.save``/``torch.load``; gradients are not marked; and a list or tuple the user wraps around optimizer
+states is pickled whole by DCP without asking its items. Save such objects with ``funcshard.checkpoint``.
 """
 
 from __future__ import annotations
@@ -22,61 +29,93 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from funcshard._compat import dtensor_local
+from funcshard._compat import (DCP_CHUNK_LIST, DCP_TENSOR_SHARD, DCP_WRITE_ITEMS, dcp_bytes_write_items,
+                              dtensor_local)
 from funcshard._spec import ShardingError, ShardSpec
-
-_marked = WeakIdKeyDictionary()  # a multi-rank plan's local shard -> its ShardSpec
-_WATCHED = ("__create_write_items__", "__create_chunk_list__")
+from funcshard._tree import tree_leaves
 
 
-def _refuse(name: str):
-    def get(t: torch.Tensor):
-        own = t.__dict__.get(name)
-        if own is not None:  # set on this tensor (``present``'s carriers)
-            return own
-        spec = _marked.get(t) if type(t) is torch.Tensor else None
-        if spec is None:
-            raise AttributeError(name)
-        raise ShardingError(
-            f"torch.distributed.checkpoint got a funcshard local shard as a plain tensor (a shard of {spec.fqn}: "
-            f"local {tuple(t.shape)} of global {spec.shape} over {spec.world} ranks); DCP would take the ranks' "
-            f"different shards for replicas and keep one rank's. Save and load funcshard state with "
+class _Refusal:
+    """A marked shard's answer to DCP (see the module docstring): calling it raises. It is the mark itself (the one
+    record of which tensors are shards and of what); tensors of one parameter and shape share one."""
+
+    __slots__ = ("shape", "spec")
+
+    def __init__(self, spec: ShardSpec, shape: tuple[int, ...]):
+        self.spec, self.shape = spec, shape
+
+    def error(self, holder: str = "") -> ShardingError:
+        spec = self.spec
+        return ShardingError(
+            f"torch.distributed.checkpoint got a funcshard local shard as a plain tensor{holder} (a shard of "
+            f"{spec.fqn}: local {self.shape} of global {spec.shape} over {spec.world} ranks); DCP would take the "
+            f"ranks' different shards for replicas and keep one rank's. Save and load funcshard state with "
             f"funcshard.checkpoint.save(plan, state, opt_state, checkpoint_id=..., tx=tx) / "
             f"funcshard.checkpoint.load(...), or put funcshard.checkpoint.state_dict(plan, state, opt_state, tx=tx) "
-            f"(global DTensors) in your DCP state dict"
-        )
+            f"(global DTensors) in your DCP state dict")
 
-    def set(t: torch.Tensor, value) -> None:
-        t.__dict__[name] = value
+    def __call__(self, *args, **kwargs):
+        raise self.error()
 
-    return property(get, set)
+    def __deepcopy__(self, memo):  # a deep copy of a shard is a shard of the same spec
+        return self
+
+
+def _no_pickled_state():  # a marked shard's ``__getstate__``: pickle it as the plain tensor it is
+    return None
+
+
+_active = False  # whether anything was ever marked (``inherit`` does nothing until then)
+
+
+def _set(t: torch.Tensor, refusal: _Refusal) -> None:
+    own = t.__dict__
+    own[DCP_WRITE_ITEMS] = own[DCP_CHUNK_LIST] = refusal
+    own["__getstate__"] = _no_pickled_state
+
+
+def _refusal_of(t) -> _Refusal | None:
+    if type(t) is not torch.Tensor:
+        return None
+    r = t.__dict__.get(DCP_WRITE_ITEMS)
+    return r if type(r) is _Refusal else None
 
 
 def mark(specs: Iterable[ShardSpec], tensors: Iterable[torch.Tensor]) -> None:
     """Record ``tensors`` as the local shards of ``specs`` (only for multi-rank plans: one rank's shards are the
     whole tensors, which plain DCP handles)."""
+    global _active
     for spec, t in zip(specs, tensors):
-        if spec.world > 1:
-            if "__create_write_items__" not in torch.Tensor.__dict__:
-                for name in _WATCHED:
-                    setattr(torch.Tensor, name, _refuse(name))
-            _marked[t] = spec
+        if spec.world > 1 and type(t) is torch.Tensor:
+            _active = True
+            _set(t, _Refusal(spec, tuple(t.shape)))
 
 
 def inherit(sources: Iterable[torch.Tensor], results: Iterable[torch.Tensor]) -> None:
     """Mark each result like its source (an optimizer's new moments, new parameters); a no-op when nothing is marked."""
-    if not _marked:
+    if not _active:
         return
     for s, r in zip(sources, results):
-        spec = _marked.get(s)
-        if spec is not None and r is not s:
-            _marked[r] = spec
+        refusal = _refusal_of(s)
+        if refusal is not None and r is not s and type(r) is torch.Tensor:
+            _set(r, refusal if refusal.shape == tuple(r.shape) else _Refusal(refusal.spec, tuple(r.shape)))
 
 
 def spec_of(t: torch.Tensor) -> ShardSpec | None:
-    return _marked.get(t)
+    refusal = _refusal_of(t)
+    return None if refusal is None else refusal.spec
+
+
+def refuse_container(obj, fqn: str, _obj=None) -> list:
+    """DCP's ``__create_write_items__`` for an optimizer state (a tuple: DCP pickles it whole, one copy kept for
+    all ranks): refused when a leaf is a marked shard, else pickled as DCP would."""
+    for leaf in tree_leaves(obj):
+        refusal = _refusal_of(leaf)
+        if refusal is not None:
+            raise refusal.error(f" inside an optimizer state ({type(obj).__name__} at {fqn!r}, which DCP would "
+                                f"pickle whole from one rank)")
+    return dcp_bytes_write_items(fqn, obj)
 
 
 class _Placed:
@@ -125,7 +164,7 @@ def present(spec: ShardSpec, local: torch.Tensor, mesh, rank: int):
         out = spec.dtensor(carrier, mesh, (Replicate(),) * mesh.ndim)
     placed = _Placed(spec, local, rank)
     carried = dtensor_local(out)  # the DTensor's own local tensor: DTensor hands DCP's calls to it
-    carried.__create_write_items__ = placed.write_items
-    carried.__create_chunk_list__ = placed.chunk_list
-    carried.__get_tensor_shard__ = placed.tensor_shard
+    own = carried.__dict__
+    own[DCP_WRITE_ITEMS], own[DCP_CHUNK_LIST], own[DCP_TENSOR_SHARD] = (
+        placed.write_items, placed.chunk_list, placed.tensor_shard)
     return out

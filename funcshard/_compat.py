@@ -140,6 +140,21 @@ import torch.distributed._functional_collectives as _funcol  # noqa: E402
 
 all_gather_autograd = getattr(_funcol, "all_gather_single_autograd", None) or _funcol.all_gather_tensor_autograd
 
+# ---- torch.distributed.checkpoint's object protocol (``_Checkpointable``; DTensor implements it) ---------------
+# DCP asks each state-dict value ``hasattr(obj, name)`` for these names, then calls them: funcshard sets them per
+# object (funcshard/_checkpoint_dcp.py), never on a torch class. The last is what DCP does with any other object:
+# pickle it whole (one write item of bytes).
+DCP_WRITE_ITEMS, DCP_CHUNK_LIST, DCP_TENSOR_SHARD = (
+    "__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+
+
+def dcp_bytes_write_items(fqn: str, obj) -> list:
+    """DCP's write items for ``obj`` pickled whole (what it does for a value without the protocol)."""
+    from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio
+
+    return [_create_write_item_for_bytesio(fqn, obj)]
+
+
 __all__ = [
     "all_gather_autograd",
     "apply_to_tensors",
@@ -156,5 +171,5 @@ __all__ = [
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
     "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
-    "fake_store",
+    "fake_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD", "dcp_bytes_write_items",
 ]

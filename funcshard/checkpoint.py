@@ -57,7 +57,7 @@ def _buffers(plan: Plan) -> dict[str, torch.Tensor]:
 
 def _parts(opt_state: Any, where: str = "opt_state") -> list[tuple[str, Any]]:
     """The NamedTuple states inside a (chained) optimizer state, with where they are."""
-    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
+    if optim.is_chain_state(opt_state):
         return [p for i, s in enumerate(opt_state) for p in _parts(s, f"{where}[{i}]")]
     if not hasattr(opt_state, "_fields"):
         raise TypeError(f"{where} is a {type(opt_state).__name__}, not a funcshard.optim state; pass what "
@@ -294,13 +294,14 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
         return state
     step = int(steps.pop())
     for tree in filled.values():
-        mark(specs.values(), tree.values())
+        mark([specs[k] for k in tree], tree.values())
     return state, _rebuild(opt_state, filled, step)
 
 
 def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
-    if isinstance(opt_state, tuple) and not hasattr(opt_state, "_fields"):
-        return tuple(_rebuild(s, filled, step) for s in opt_state)
+    if optim.is_chain_state(opt_state):
+        parts = [_rebuild(s, filled, step) for s in opt_state]
+        return tuple(parts) if type(opt_state) is tuple else type(opt_state)(*parts)
     changes = {f: filled[id(opt_state), f] for f in opt_state._fields if (id(opt_state), f) in filled}
     if "count" in opt_state._fields:
         changes["count"] = step
@@ -315,10 +316,11 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     """Write the full parameters (and the module's buffers) from rank ``rank``, one group at a time.
 
     ``to``: a path (a ``safetensors`` file, parameters under their canonical paths: tied ones once) or a callable
-    ``fn(name, tensor)`` called on rank ``rank`` for each parameter and buffer, in group order (the tensor is valid
-    during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
+    ``fn(name, tensor)`` called on rank ``rank`` (the index on the shard axis; on an HSDP mesh, of the first replica)
+    for each parameter and buffer, in group order (the tensor is valid during the call). Every rank of the mesh calls it (each group is all-gathered): the peak memory on every rank
     is the sharded state plus one group's full tensors (its all-gather buffer and the parameters copied out of it),
-    never the whole model.
+    never the whole model. On an HSDP mesh the first replica (index 0 on the replicate axis) gathers and writes; the
+    other replicas only wait for the outcome.
 
     The file is written to ``<to>.tmp`` and renamed to ``to`` once complete, so an export that fails or is
     interrupted leaves the previous file as it was. Dtypes safetensors cannot name are refused on every rank before
@@ -331,7 +333,13 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
 
     check_state(plan, state)
     _not_model_sharded(plan, "export_full")
-    me, pg = _rank(plan), plan.mesh.get_group(plan.shard_axis)
+    if not (isinstance(rank, int) and 0 <= rank < plan.mesh.size(plan.shard_axis)):
+        raise ValueError(f"export_full: rank={rank!r} is not an index on the shard axis (axis {plan.shard_axis} of "
+                         f"{plan.mesh}, size {plan.mesh.size(plan.shard_axis)}); pass 0 <= rank < "
+                         f"{plan.mesh.size(plan.shard_axis)} (on an HSDP mesh: the index in the first replica)")
+    pg, me = plan.shard_group()
+    rg = plan.replicate_group()  # HSDP: the replicas hold the same shards; the first one gathers and writes
+    first = rg is None or plan.mesh.get_local_rank(plan.replicate_axis) == 0
     lay, buffers = full_layouts(plan), _buffers(plan)
     entries = [(p, plan.specs[p].shape, plan.specs[p].dtype) for g in plan.groups for p in g.params]
     entries += [(k, tuple(b.shape), b.dtype) for k, b in buffers.items()]
@@ -363,18 +371,19 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
         writer.finish()
         os.replace(tmp, to)
 
-    if me == rank and tmp is not None:
+    writes = me == rank and first
+    if writes and tmp is not None:
         attempt(start)
 
     try:
-        for g in plan.groups:
+        for g in plan.groups if first else ():
             if g.params:
                 full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me)
-                if me == rank:
+                if writes:
                     for p, t in zip(g.params, full):
                         emit(p, t)
                 del full
-        if me == rank:
+        if writes:
             for k, b in buffers.items():
                 emit(k, b.detach())
             if tmp is not None:
@@ -382,17 +391,27 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     finally:
         if writer is not None:
             writer.close()
-        if tmp is not None and me == rank and os.path.exists(tmp):
+        if tmp is not None and writes and os.path.exists(tmp):
             os.remove(tmp)  # what a failed export wrote; ``to`` is the previous file
-    # the writer's outcome on every rank (and the file complete on every rank's return)
+    # the writer's outcome on every rank (and the file complete on every rank's return): over the first replica's
+    # shard group, then from each of its ranks over its replicate group
     flag = torch.tensor([failed is not None], dtype=torch.int32, device=device_of(plan.mesh))
-    dist.all_reduce(flag, group=pg)
+    if first:
+        dist.all_reduce(flag, group=pg)
+    if rg is not None:
+        dist.all_reduce(flag, group=rg)
     if flag.item():
         msg = [f"{type(failed).__name__}: {failed}" if failed is not None else None]
-        dist.broadcast_object_list(msg, src=dist.get_global_rank(pg, rank), group=pg)
+        if first:
+            dist.broadcast_object_list(msg, src=dist.get_global_rank(pg, rank), group=pg)
+        if rg is not None:
+            dist.broadcast_object_list(msg, src=dist.get_global_rank(rg, 0), group=rg)
         if failed is not None:
             raise failed
-        raise ShardingError(f"export_full: the writing rank ({rank} of axis {plan.shard_axis}) failed, "
+        where = f"{rank} of axis {plan.shard_axis}"
+        if rg is not None:
+            where += f" in replica 0 of axis {plan.replicate_axis}"
+        raise ShardingError(f"export_full: the writing rank ({where}) failed, "
                             f"{'the previous file is kept' if tmp else 'the callable stopped'}: {msg[0]}")
 
 

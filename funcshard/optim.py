@@ -73,13 +73,14 @@ before the Adam step). ``amsgrad``, ``maximize``, ``foreach``, ``fused``,
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Union
 
 import torch
 import torch.distributed as dist
 
-from funcshard._checkpoint_dcp import inherit
+from funcshard._checkpoint_dcp import inherit, refuse_container
 from funcshard._compat import (
     foreach_add,
     foreach_add_,
@@ -196,9 +197,42 @@ class ClipByGlobalNormState(NamedTuple):
     """State of :func:`clip_by_global_norm` (empty)."""
 
 
-# torch.load's default (weights_only=True) unpickles only allowlisted classes: the states are plain data
-torch.serialization.add_safe_globals([EmptyState, ScaleState, ScaleByScheduleState, ScaleByAdamState,
-                                      AddDecayedWeightsState, TraceState, ClipByGlobalNormState])
+_STATES = [EmptyState, ScaleState, ScaleByScheduleState, ScaleByAdamState, AddDecayedWeightsState, TraceState,
+           ClipByGlobalNormState]
+_CHAINS: dict[int, type] = {}
+_CHAIN_TYPES: set[type] = set()
+
+
+def chain_state_class(n: int) -> type:
+    """The state class of a chain of ``n`` transformations: a namedtuple ``ChainState<n>(s0, ..., s<n-1>)`` (a
+    tuple, indexed and unpacked as optax's plain tuple; a pytree node for optree and torch's pytree alike). Not a
+    plain tuple so that it can answer ``torch.distributed.checkpoint`` (see :func:`refuse_container`)."""
+    cls = _CHAINS.get(n)
+    if cls is None:
+        cls = collections.namedtuple(f"ChainState{n}", [f"s{i}" for i in range(n)], module=__name__)
+        cls.__doc__ = f"State of a :func:`chain` of {n} transformations: their states in order."
+        _CHAINS[n] = globals()[cls.__name__] = cls  # (pickle finds it by module and name)
+        _CHAIN_TYPES.add(cls)
+        _serve(cls)
+    return cls
+
+
+def is_chain_state(state: Any) -> bool:
+    """Whether ``state`` is a chain's state (a ``ChainState<n>``, or a plain tuple of states as optax keeps)."""
+    return type(state) in _CHAIN_TYPES or type(state) is tuple
+
+
+def _serve(cls: type) -> None:
+    # plain DCP of an optimizer state holding shards of a multi-rank plan: a clear error, not one rank's copy
+    cls.__create_write_items__ = refuse_container
+    # torch.load's default (weights_only=True) unpickles only allowlisted classes: the states are plain data
+    torch.serialization.add_safe_globals([cls])
+
+
+for _cls in _STATES:
+    _serve(_cls)
+for _n in range(65):  # made at import, so that torch.load(weights_only=True) finds them in a fresh process
+    chain_state_class(_n)
 
 
 # --------------------------------------------------------------------------
@@ -582,7 +616,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
                 out = g
             else:
                 out = foreach_add(g, buf, alpha=decay) if nesterov else buf
-        inherit(tree_flatten(state.trace)[0] if state.count else g, buf)
+        inherit(tree_flatten(state.trace)[0], buf)  # (init's zeros are marked like the params)
         new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
         return tree_unflatten(spec, out), new_state
 
@@ -664,8 +698,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not (hasattr(t, "init") and hasattr(t, "update")):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation.")
 
+    state_class = chain_state_class(len(transforms))
+
     def init_fn(params: PyTree) -> tuple[Any, ...]:
-        return tuple(t.init(params) for t in transforms)
+        return state_class(*(t.init(params) for t in transforms))
 
     def check(state):
         if not isinstance(state, tuple) or len(state) != len(transforms):
@@ -689,7 +725,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **extra)
             new_states.append(s)
-        return updates, tuple(new_states)
+        return updates, state_class(*new_states)
 
     update_fn = _checked(update_fn, check_all)
     last = transforms[-1] if transforms else None
@@ -712,7 +748,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             grads, s = t.update(grads, s, params, donate=donate)
             new_states.append(s)
         params, s = last.exact(grads, state[-1], params, donate=donate)
-        return params, (*new_states, s)
+        return params, state_class(*new_states, s)
 
     return _torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
                             last.torch_param_group)
@@ -794,7 +830,7 @@ def sgd(
         if not donate:
             inherit(p, new)
         new_states.append(ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched)
-        return tree_unflatten(spec, new), tuple(new_states)
+        return tree_unflatten(spec, new), chain_state_class(len(new_states))(*new_states)
 
     def param_group(count):
         return dict(lr=lr(count) if callable(lr) else lr, momentum=momentum, dampening=dampening,
@@ -863,7 +899,7 @@ def adamw(
             inherit(p, new)
         new_sched = ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched
         adam = ScaleByAdamState(count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu))
-        return tree_unflatten(spec, new), (adam, state[1], new_sched)
+        return tree_unflatten(spec, new), chain_state_class(3)(adam, state[1], new_sched)
 
     def param_group(count):
         return dict(lr=lr(count) if callable(lr) else lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

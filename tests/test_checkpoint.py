@@ -10,8 +10,11 @@ its losses are compared to 1e-5 (measured: below 1e-6).
 
 from __future__ import annotations
 
+import copy
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,7 +154,9 @@ def _plain_dcp(path):
     before = {k: v.clone() for k, v in state.items()}
     errors = {}
     for name, sd in {"state": state, "nested": {"model": state},
-                     "moments": {"exp_avg": opt_state[1][0].mu, "exp_avg_sq": opt_state[1][0].nu}}.items():
+                     "moments": {"exp_avg": opt_state[1][0].mu, "exp_avg_sq": opt_state[1][0].nu},
+                     # tuples are pickled whole by DCP (one rank's copy kept): the states answer for themselves
+                     "opt_state": {"optim": opt_state}, "adam": {"adam": opt_state[1][0]}}.items():
         try:
             dcp.save(sd, checkpoint_id=f"{path}/{name}")
             errors[name] = "saved"
@@ -168,7 +173,38 @@ def _plain_dcp(path):
         errors["load_nested"] = "loaded"
     except BaseException as e:  # noqa: BLE001
         errors["load_nested"] = str(e)
+    # momentum buffers (trace), made by update + apply_updates, and the state after a deep copy and a step
+    sgd = optim.sgd(0.1, momentum=0.9)
+    s_state = sgd.init(state)
+    grads = {k: torch.ones_like(v) for k, v in state.items()}
+    for _ in range(2):
+        updates, s_state = sgd.update(grads, s_state, state)
+    stepped = optim.apply_updates(copy.deepcopy(state), updates)
+    for name, sd in {"momentum": {"optim": s_state}, "deepcopy_step": {"model": stepped}}.items():
+        try:
+            dcp.save(sd, checkpoint_id=f"{path}/{name}")
+            errors[name] = "saved"
+        except BaseException as e:  # noqa: BLE001
+            errors[name] = str(e)
+    # a loaded optimizer state over some of the parameters: each moment marked as its own parameter's shard
+    some = {k: v for k, v in state.items() if k.startswith("blocks.1.")}
+    some_tx = optim.adamw(1e-2)
+    checkpoint.save(plan, state, some_tx.init(some), checkpoint_id=f"{path}/some", tx=some_tx)
+    _, loaded = checkpoint.load(plan, f"{path}/some", opt_state=tuple(some_tx.init(some)))
+    errors["loaded type"] = type(loaded).__name__
+    try:
+        dcp.save({"m": {"x": loaded[0].mu["blocks.1.mlp.0.weight"]}}, checkpoint_id=f"{path}/loaded")
+        errors["loaded"] = "saved"
+    except BaseException as e:  # noqa: BLE001
+        errors["loaded"] = str(e)
     untouched = all(torch.equal(before[k], v) for k, v in state.items())
+    # the marks are the shards' own: no other tensor (nor torch.Tensor) answers DCP's protocol
+    errors["class"] = [n for n in ("__create_write_items__", "__create_chunk_list__") if n in torch.Tensor.__dict__
+                       or hasattr(torch.zeros(1), n) or hasattr(before["pos"], n)]
+    # a marked shard and the optimizer state pickle as plain data: torch.load's default loads them (state: in a
+    # process that never imported funcshard; the optimizer's state classes are funcshard.optim's)
+    torch.save({"state": state}, f"{path}/state{dist.get_rank()}.pt")
+    torch.save({"state": state, "opt_state": opt_state}, f"{path}/plain{dist.get_rank()}.pt")
     return errors, untouched
 
 
@@ -176,10 +212,23 @@ def test_plain_dcp_of_sharded_state_refuses(tmp_path):
     """On 32e5200 plain DCP saved every key from one rank (silently mixing the ranks' shards); now it refuses."""
     for errors, untouched in run_ranks(2, _plain_dcp, str(tmp_path)):
         assert untouched
-        for name in ("state", "nested", "moments"):
+        for name in ("state", "nested", "moments", "opt_state", "adam"):
             assert "funcshard local shard as a plain tensor" in errors[name], (name, errors[name])
             assert "funcshard.checkpoint.save(plan, state, opt_state" in errors[name]
+        for name, holder in (("opt_state", "ChainState2 at 'optim'"), ("adam", "ScaleByAdamState at 'adam'")):
+            assert f"inside an optimizer state ({holder}, which DCP would pickle whole" in errors[name], errors[name]
         assert errors["load"] != "loaded" and errors["load_nested"] != "loaded", errors
+        for name in ("momentum", "deepcopy_step", "loaded"):  # before the last fixes: saved, saved, named pos
+            assert "funcshard local shard as a plain tensor" in errors[name], (name, errors[name])
+        assert "a shard of blocks.1.mlp.0.weight: local" in errors["loaded"], errors["loaded"]
+        assert errors["loaded type"] == "tuple"  # a plain tuple template (a state saved before ChainState) stays one
+        assert errors["class"] == []
+    probe = ("import sys, torch; d = torch.load(sys.argv[1])['state']; "
+             "assert 'funcshard' not in sys.modules and type(d['pos']) is torch.Tensor and not d['pos'].__dict__")
+    subprocess.run([sys.executable, "-c", probe, str(tmp_path / "state0.pt")], check=True, cwd=tmp_path)
+    for rank in range(2):
+        back = torch.load(tmp_path / f"plain{rank}.pt")  # weights_only=True
+        assert type(back["opt_state"]).__name__ == "ChainState2" and not back["state"]["pos"].__dict__
 
 
 def _plain_one_rank(path):
@@ -734,3 +783,51 @@ def test_fsdp2_sgd_with_frozen_parameter_cross_loads(tmp_path):
     assert out.pop("torch keys") == (["momentum_buffer"], False)
     for name, (reference, resumed) in out.items():
         assert reference == resumed, (name, reference, resumed)
+
+
+# ---- export_full on an HSDP mesh: one writer, the other replicas wait for its outcome ----------------------------
+
+
+def _hsdp_export(path):
+    from safetensors.torch import load_file
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _gpt()
+    plan = funcshard.plan(model, mesh, groups=(GPTBlock,))
+    state = funcshard.shard(plan)
+    calls = []
+    checkpoint.export_full(plan, state, lambda name, t: calls.append(name))
+    checkpoint.export_full(plan, state, f"{path}/full.safetensors")
+    dist.barrier()
+    on_disk = load_file(f"{path}/full.safetensors")
+    same = all(torch.equal(on_disk[k], v) for k, v in model.state_dict().items() if k in on_disk)
+
+    def refusing(name, t):
+        raise ValueError(f"refusing {name}")
+
+    try:
+        checkpoint.export_full(plan, state, refusing, rank=2)  # a global rank, not an index on the shard axis
+        bad = "exported"
+    except ValueError as e:
+        bad = str(e)
+    try:
+        checkpoint.export_full(plan, state, refusing, rank=1)
+        error = "exported"
+    except (ValueError, funcshard.ShardingError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return len(calls), same, set(on_disk) == set(plan.specs) | set(dict(model.named_buffers())), error, bad
+
+
+def test_export_full_on_an_hsdp_mesh_has_one_writer(tmp_path):
+    """Before: each replica group's shard-rank 0 wrote (two writers of one file on a 2x2 mesh). Now the first
+    replica gathers and writes and the others only learn the outcome; a writer's failure is raised on all 4 ranks."""
+    out = run_ranks(4, _hsdp_export, str(tmp_path))
+    assert [n > 0 for n, *_ in out] == [True, False, False, False], [n for n, *_ in out]
+    assert all(same and keys for _, same, keys, _, _ in out)
+    assert all(re.search(r"export_full: rank=2 is not an index on the shard axis \(axis 1 of .*size 2\); pass "
+                         r"0 <= rank < 2 \(on an HSDP mesh: the index in the first replica\)", b) for *_, b in out), out
+    errors = [e for *_, e, _ in out]
+    assert errors[1] == "ValueError: refusing pos", errors
+    for e in (errors[0], errors[2], errors[3]):
+        assert re.search(r"ShardingError: export_full: the writing rank \(1 of axis 1 in replica 0 of axis 0\) "
+                         r"failed, the callable stopped: ValueError: refusing pos", e), errors
