@@ -13,10 +13,11 @@ from funcshard._collectives import all_gather, all_reduce, reduce_scatter
 from funcshard._grad import value_and_grad
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard
-from funcshard._spec import ShardingError, ShardSpec
+from funcshard._spec import ModelSharding, ShardingError, ShardSpec
 from funcshard._traced import traced_apply
 from funcshard.fsdp import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -27,9 +28,11 @@ from funcshard.fsdp import (
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "Group",
     "MixedPrecisionPolicy",
+    "ModelSharding",
     "OffloadPolicy",
     "Plan",
     "ShardSpec",

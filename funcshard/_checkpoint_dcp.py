@@ -131,7 +131,7 @@ class _Placed:
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         props = TensorProperties.create_from_tensor(self.local)
-        size = torch.Size(self.spec.shape)
+        size = torch.Size(self.spec.global_shape)  # (a model-sharded parameter: its DTensor's)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(b.offsets),
                                                                                  sizes=torch.Size(b.sizes)),

@@ -97,6 +97,10 @@ post_accumulate_grad_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 dtensor_local = operator.attrgetter("_local_tensor")  # a DTensor's local tensor (to_local without autograd)
 dtensor_spec = operator.attrgetter("_spec")  # a DTensor's DTensorSpec (mesh, placements, shape, stride)
 root_mesh = operator.methodcaller("_get_root_mesh")  # the mesh a DeviceMesh was sliced from (or itself)
+# FSDP over tensor parallel: the (dp, tp) mesh a sharded TP parameter lives on (meshes sliced from one root), and the
+# placement of a dim the data-parallel axis shards inside the model's own shards of it (FSDP2's, for DCP's offsets)
+concatenate_meshes = require("torch.distributed.device_mesh.DeviceMesh._concatenate")
+StridedShard = require("torch.distributed.tensor.placement_types._StridedShard")
 # ``new_dtensor(DTensor, local, spec, requires_grad=...)``: DTensor's constructor is torch.Tensor._dtensor__new__
 # (C++) plus an ``__init__`` that does nothing but pass through two decorators (dynamo-disable, export marking):
 # ~1.5 us of the ~2.3 per gradient. Call it directly where it is; otherwise the constructor.
@@ -169,6 +173,7 @@ __all__ = [
     "foreach_sqrt",
     "torch_tree_leaves", "torch_tree_map_only",
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
+    "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
     "fake_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD", "dcp_bytes_write_items",
 ]

@@ -7,6 +7,11 @@ The axis rule (FSDP2's): a 1-D mesh shards over its one axis; a 2-D mesh is ``(r
 are sharded over axis 1 and replicated over axis 0, gradients reduce-scattered over axis 1 and then all-reduced over
 axis 0. ``dp_axes(mesh)`` says it; every other module asks it (``plan``, ``fully_shard``, the collectives,
 ``optim``'s norm).
+
+FSDP over parameters the model already shards (tensor parallel; FSDP2's 2-D recipe and torch 2.12+'s
+``dp_mesh_dims``): ``model_sharding`` is the one rule for which axes of a DTensor parameter's mesh are the model's and
+which are data parallel, and what the sharded parameter is as a DTensor; ``spmd_dp_mesh`` picks the data-parallel
+sub-mesh of a full SPMD mesh named by ``DataParallelMeshDims``.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from funcshard._compat import root_mesh
-from funcshard._spec import ShardingError
+from funcshard._compat import StridedShard, concatenate_meshes, root_mesh
+from funcshard._spec import ModelSharding, ShardingError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,15 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
+def resolve_full_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """A full SPMD mesh (``dp_mesh_dims``): a DeviceMesh of any number of axes; its data-parallel part is checked
+    by ``resolve_mesh`` once picked."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardingError(f"dp_mesh_dims needs the full SPMD DeviceMesh as mesh, got {type(mesh).__name__}; build "
+                            f"it with init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp'))")
+    return mesh
+
+
 def check_mesh(mesh: DeviceMesh) -> None:
     """Raise if ``mesh`` is not a data-parallel mesh (``dp_axes``) or does not match its process groups (sizes), or a
     group is gone."""
@@ -184,3 +199,139 @@ def device_of(mesh: DeviceMesh) -> torch.device:
                          f"device; build the mesh for the device the model trains on, e.g. "
                          f"init_device_mesh('cpu', (world_size,)) with gloo")
     return torch.device(kind, handle.current_device())
+
+
+# ---- FSDP over tensor parallel ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _DataParallelMeshDims:
+    """Which axes of a full SPMD mesh are data parallel, by name (torch 2.12+'s ``DataParallelMeshDims``, the same
+    fields; torch's own is accepted too): ``shard`` (parameters are sharded over it), ``replicate`` (HSDP: replicated
+    over it, gradients all-reduced). The other axes are the model's own (tensor parallel)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
+
+
+# torch's own where it has one (2.12+: code written for FSDP2 passes it, and isinstance checks hold), else ours
+DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) or _DataParallelMeshDims
+
+
+def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int]]:
+    """The data-parallel sub-mesh of the full SPMD mesh ``mesh`` named by ``dims`` (a ``DataParallelMeshDims``):
+    ``mesh[shard]`` (FSDP) or ``mesh[(replicate, shard)]`` (HSDP), and the indices of those axes in ``mesh``."""
+    names = mesh.mesh_dim_names
+    shard, replicate = getattr(dims, "shard", None), getattr(dims, "replicate", None)
+    if names is None:
+        raise ShardingError(f"dp_mesh_dims names mesh axes, and mesh {mesh_str(mesh)} has no names; build it with "
+                            f"init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    for kind, value in (("shard", shard), ("replicate", replicate)):
+        if value is not None and not isinstance(value, str):
+            raise NotImplementedError(
+                f"dp_mesh_dims.{kind}={value!r} names several axes (flattened into one by FSDP2); funcshard takes "
+                f"one axis name each: flatten them into one named axis of the mesh first")
+        if value is not None and value not in names:
+            raise ShardingError(f"dp_mesh_dims.{kind}={value!r} is not an axis of mesh {mesh_str(mesh)}; its axes "
+                                f"are {list(names)}")
+    if shard is None:
+        raise NotImplementedError(f"dp_mesh_dims without a shard axis (replicate={replicate!r} only: DDP) is not "
+                                  f"built; name a shard axis (a size-1 one shards nothing)")
+    picked = (shard,) if replicate is None else (replicate, shard)
+    if len(set(picked)) != len(picked):
+        raise ShardingError(f"dp_mesh_dims names axis {shard!r} as both shard and replicate; name two axes")
+    dp = mesh[shard] if replicate is None else concatenate_meshes([mesh[replicate], mesh[shard]])  # (any axis order)
+    return dp, frozenset(names.index(n) for n in picked)
+
+
+def _names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ())
+
+
+def model_sharding(fqn: str, param, mesh: DeviceMesh, dim: int, spmd: frozenset[int] | None = None) -> ModelSharding:
+    """How the DTensor ``param`` is sharded by the model, for FSDP over ``mesh`` (the data-parallel mesh: 1-D or
+    (replicate, shard)) on tensor dim ``dim`` of its local tensor. Two forms, FSDP2's:
+
+    - ``spmd`` None (the 2-D recipe, ``fully_shard(block, mesh=mesh['dp'])``): ``param`` lives on a mesh of its own
+      (``mesh['tp']``) sliced from the same root mesh as ``mesh``, on other axes. The sharded parameter lives on the
+      data-parallel axes followed by the model's.
+    - ``spmd`` the data-parallel axes' indices (``dp_mesh_dims``): ``param`` lives on the full SPMD mesh, the one
+      ``mesh`` was sliced from, with ``Replicate()`` on those axes; the sharded parameter too.
+
+    On the shard axis the sharded parameter is ``Shard(dim)``, or ``_StridedShard(dim, split_factor)`` where the
+    model shards ``dim`` too on axes after it (its local rows are strided pieces of the global ones). Raises a
+    ShardingError naming the parameter, the meshes and the fix."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    pmesh, placements = param.device_mesh, tuple(param.placements)
+    dp_names = _names(mesh)
+    where = f"{fqn}: a DTensor on mesh {mesh_str(pmesh)} with placements {list(placements)}"
+    for p in placements:
+        if not (type(p) is Replicate or type(p) is Shard):
+            raise ShardingError(f"{where}; FSDP shards a parameter the model shards with Shard(dim) or Replicate() "
+                                f"placements, not {p}: redistribute it to those first")
+    if spmd is None:
+        if root_mesh(pmesh) is not root_mesh(mesh) and root_mesh(pmesh) != root_mesh(mesh):
+            raise ShardingError(
+                f"{where}, and the data-parallel mesh {mesh_str(mesh)} is not sliced from the same mesh; build one "
+                f"mesh, init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')), and use mesh['tp'] "
+                f"for tensor parallel and mesh['dp'] for fully_shard (or pass the whole mesh with dp_mesh_dims=)")
+        shared = [n for n in _names(pmesh) if n in dp_names] if _names(pmesh) else list(dp_names)
+        if shared or pmesh == mesh:
+            what = f"uses the data-parallel axes {shared} of mesh" if shared else "is the data-parallel mesh"
+            raise ShardingError(
+                f"{where}: its mesh {what} {mesh_str(mesh)}, which fully_shard shards over; tensor-parallelize over "
+                f"the other axes "
+                f"(parallelize_module(module, mesh['tp'], ...)), or pass the full mesh with dp_mesh_dims= and "
+                f"Replicate() placements on its data-parallel axes")
+        sharded_mesh = concatenate_meshes([mesh, pmesh])
+        model_axes = range(mesh.ndim, mesh.ndim + pmesh.ndim)
+        sharded = list(dp_placements(mesh, dim)) + list(placements)
+        shard_axis = dp_axes(mesh).shard
+    else:
+        if pmesh != root_mesh(mesh) and pmesh is not root_mesh(mesh):
+            raise ShardingError(
+                f"{where}; with dp_mesh_dims every parameter must be a DTensor on the mesh passed to fully_shard "
+                f"(the full SPMD mesh {mesh_str(root_mesh(mesh))}): distribute it there")
+        bad = [(pmesh.mesh_dim_names[i], placements[i]) for i in sorted(spmd) if type(placements[i]) is not Replicate]
+        if bad:
+            raise ShardingError(
+                f"{where}: it is sharded on the data-parallel axes {[n for n, _ in bad]} ({[p for _, p in bad]}), "
+                f"which FSDP shards over; give it Replicate() there (the model's own sharding goes on the other axes)")
+        sharded_mesh = pmesh
+        model_axes = [i for i in range(pmesh.ndim) if i not in spmd]
+        sharded = list(placements)
+        shard_axis = pmesh.mesh_dim_names.index(dp_names[dp_axes(mesh).shard])
+        sharded[shard_axis] = Shard(dim)
+    later = [a for a in model_axes if a > shard_axis]  # the model's shards of ``dim`` inside the data-parallel one's
+    split = 1
+    for a in later:
+        if sharded[a] == Shard(dim):
+            split *= sharded_mesh.size(a)
+    if split > 1:
+        sharded[shard_axis] = StridedShard(dim, split_factor=split)
+    shape = tuple(param.shape)
+    return ModelSharding(mesh=pmesh, placements=placements, shape=shape, stride=tuple(param.stride()),
+                         dp_axes=frozenset(spmd or ()), sharded_mesh=sharded_mesh, sharded_placements=tuple(sharded),
+                         offsets=_local_offsets(shape, pmesh, placements))
+
+
+def _local_offsets(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> tuple[int, ...]:
+    """Where this rank's local tensor of a DTensor with ``Shard`` / ``Replicate`` placements starts in the global one
+    (torch.chunk's split on each axis, in axis order, as DTensor does)."""
+    coord = mesh.get_coordinate()
+    sizes, offsets = list(shape), [0] * len(shape)
+    for axis, p in enumerate(placements):
+        d = getattr(p, "dim", None)
+        if d is None:
+            continue
+        n, k = sizes[d], mesh.size(axis)
+        chunk = -(-n // k) if n else 0
+        start = min(coord[axis] * chunk, n)
+        offsets[d] += start
+        sizes[d] = max(0, min(chunk, n - start))
+    return tuple(offsets)

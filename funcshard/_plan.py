@@ -14,9 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
-from funcshard._mesh import axis_name, dp_axes, mesh_str, post_forward_group, resolve_mesh
+from funcshard._mesh import (
+    axis_name,
+    dp_axes,
+    mesh_str,
+    model_sharding,
+    post_forward_group,
+    resolve_full_mesh,
+    resolve_mesh,
+    spmd_dp_mesh,
+)
 from funcshard._policy import (
     MixedPrecisionPolicy,
     check_mp_policy,
@@ -305,6 +316,8 @@ def plan(
     grad_divide_factor: float | None = None,
     layout: str = "per_param",
     mp_policy: Any = None,
+    dp_mesh_dims: Any = None,
+    _spec_of: Callable[[str, nn.Parameter], ShardSpec] | None = None,
 ) -> Plan:
     """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
 
@@ -336,7 +349,19 @@ def plan(
             are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
         mp_policy: a ``MixedPrecisionPolicy`` for every group (``plan.with_group(name, mp_policy=...)`` for one):
             see :class:`Group`. Shards, gradients and optimizer state stay in the parameters' dtype.
+        dp_mesh_dims: ``DataParallelMeshDims(shard=..., replicate=...)`` naming the data-parallel axes of ``mesh``,
+            a full SPMD mesh whose other axes are the model's (torch 2.12+'s ``fully_shard`` argument): every
+            parameter must then be a DTensor on ``mesh`` with ``Replicate()`` on those axes.
+
+    Parameters that are DTensors (tensor parallel: ``parallelize_module(module, mesh['tp'], ...)`` with ``mesh``
+    ``mesh['dp']`` of the same root mesh; or on the full mesh with ``dp_mesh_dims``) are sharded as their local
+    tensors: a spec's ``shape`` is the local shape and its ``model`` (``ModelSharding``) the model's own sharding;
+    the module sees each gathered local tensor as its DTensor again, and gradients are redistributed to the
+    parameter's placements on the model's axes before the reduce-scatter (``_mesh.model_sharding``).
     """
+    spmd = None
+    if dp_mesh_dims is not None:
+        mesh, spmd = spmd_dp_mesh(resolve_full_mesh(mesh), dp_mesh_dims)
     mesh = resolve_mesh(mesh)
     axes = dp_axes(mesh)
     shard_axis = axes.shard
@@ -347,19 +372,27 @@ def plan(
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
     for fqn, p in named["params"].items():
+        if _spec_of is not None:  # (fully_shard: the specs its units made; None for a parameter it leaves alone)
+            given = _spec_of(fqn, p) or make_spec(fqn, p, 0, axis=shard_axis, world=world)
+            specs[fqn] = dataclasses.replace(given, fqn=fqn, aliases=tuple(aliases[fqn]), requires_grad=p.requires_grad)
+            continue
         try:
             dim = 0 if shard_placement_fn is None else placement_dim(fqn, shard_placement_fn(fqn, p))
+            local, model = p, None
+            if isinstance(p, DTensor) or spmd is not None:
+                local, model = _model_spec(fqn, p, mesh, dim, spmd)
         except ShardingError as e:
             problems.append(f"  {e}")
             continue
-        lo, hi = dim_range(tuple(p.shape))
+        lo, hi = dim_range(tuple(local.shape))
         if not lo <= dim <= hi:
             problems.append(
-                f"  {fqn}: shape {tuple(p.shape)} has no dim {dim}; shard_placement_fn must return a dim in "
+                f"  {fqn}: shape {tuple(local.shape)} has no dim {dim}; shard_placement_fn must return a dim in "
                 f"[{lo}, {hi}] (or None for dim 0)"
             )
             continue
-        specs[fqn] = make_spec(fqn, p, dim, axis=shard_axis, world=world, aliases=tuple(aliases[fqn]))
+        specs[fqn] = make_spec(fqn, local, dim, axis=shard_axis, world=world, aliases=tuple(aliases[fqn]),
+                               model=model, requires_grad=p.requires_grad)
     if problems:
         raise ShardingError(
             f"cannot shard over mesh {mesh_str(mesh)}:\n" + "\n".join(problems)
@@ -396,6 +429,18 @@ def plan(
     )
     _check_schedule(result)
     return result
+
+
+def _model_spec(fqn: str, p: torch.Tensor, mesh: DeviceMesh, dim: int, spmd) -> tuple[torch.Tensor, Any]:
+    """A DTensor parameter's local tensor (what is sharded) and its ``ModelSharding``; a plain one with
+    ``dp_mesh_dims`` raises (every parameter must then live on the SPMD mesh, as in FSDP2)."""
+    if not isinstance(p, DTensor):
+        raise ShardingError(
+            f"{fqn}: a plain tensor; with dp_mesh_dims every parameter must be a DTensor on the full SPMD mesh "
+            f"(distribute it there with Replicate() on the data-parallel axes), as FSDP2 requires")
+    local = dtensor_local(p)
+    lo, hi = dim_range(tuple(local.shape))
+    return local, model_sharding(fqn, p, mesh, dim % (hi + 1) if lo <= dim <= hi else dim, spmd)
 
 
 def _post_forward_size(g: Group, world: int) -> bool | int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import (
     Buckets,
@@ -17,7 +18,7 @@ from funcshard._collectives import (
     reduce_scatter_grads,
 )
 from funcshard._checkpoint_dcp import mark
-from funcshard._compat import is_batchedtensor
+from funcshard._compat import dtensor_local, is_batchedtensor
 from funcshard._compile import runtime_boundary
 from funcshard._layout import expected_shards, full_layouts
 from funcshard._mesh import check_mesh, mesh_str
@@ -99,7 +100,9 @@ def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[
             problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
         elif v.is_meta:
             problems.append(f"  {k}: on the meta device, it has no data; materialize it (to_empty + init) first")
-        elif tuple(v.shape) != spec.shape:
+        elif spec.model is not None and (why := _not_model(spec, v)):
+            problems.append(f"  {k}: {why}")
+        elif spec.model is None and tuple(v.shape) != spec.shape:
             problems.append(f"  {k}: shape {tuple(v.shape)}, the plan expects {spec.shape}")
     problems += [f"  {k}: missing" for k in plan.specs if k not in params]
     if problems:
@@ -107,9 +110,27 @@ def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[
                     "Pass one full tensor per parameter of the planned module (see plan.specs).")
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     with torch.no_grad():
-        out = {k: spec.local_shard(raw(params[k]).to(spec.dtype), rank) for k, spec in plan.specs.items()}
+        out = {k: spec.local_shard(_local(spec, raw(params[k])).to(spec.dtype), rank) for k, spec in plan.specs.items()}
     mark(plan.specs.values(), out.values())  # so that plain DCP refuses them (funcshard.checkpoint presents them)
     return out
+
+
+def _not_model(spec, v: torch.Tensor) -> str | None:
+    """Why ``v`` is not the model-sharded parameter ``spec`` describes (a DTensor of its mesh, placements and global
+    shape), or None."""
+    m = spec.model
+    if not isinstance(v, DTensor):
+        return (f"a plain {tuple(v.shape)} tensor; the plan expects the model's DTensor ({m.shape} on mesh "
+                f"{mesh_str(m.mesh)}, placements {list(m.placements)}): pass the module's parameter")
+    if v.device_mesh != m.mesh or tuple(v.placements) != m.placements or tuple(v.shape) != m.shape:
+        return (f"a DTensor {tuple(v.shape)} on mesh {mesh_str(v.device_mesh)} with placements {list(v.placements)}; "
+                f"the plan expects {m.shape} on mesh {mesh_str(m.mesh)} with {list(m.placements)}")
+    return None
+
+
+def _local(spec, v: torch.Tensor) -> torch.Tensor:
+    """What is sharded of a full parameter: itself, or a model-sharded one's local tensor."""
+    return v if spec.model is None else dtensor_local(v)
 
 
 class _Gather(torch.autograd.Function):
@@ -164,5 +185,5 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
         if not g.params:
             continue
         full = _Gather.apply(lay[g.name], pg, rank, *[state[p] for p in g.params])
-        out.update(zip(g.params, full))
+        out.update((p, plan.specs[p].present(t)) for p, t in zip(g.params, full))
     return out

@@ -17,7 +17,9 @@ import math
 
 import torch
 
-__all__ = ["Box", "FlatSlot", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
+from funcshard._compat import get_interpreter_stack
+
+__all__ = ["Box", "FlatSlot", "ModelSharding", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,75 @@ class ShardingError(ValueError):
     """Bad input to funcshard: the message names the parameter, the shapes, the mesh and the fix."""
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelSharding:
+    """A parameter the model itself already shards: a DTensor (tensor parallel, or any placements on an SPMD mesh).
+    Its *local* tensor is what FSDP shards over the data-parallel axes; gathering over them gives that local tensor
+    back, which the module sees as a DTensor again (``ShardSpec.present``).
+
+    Attributes:
+        mesh / placements: the module's DTensor: the mesh it lives on (the TP mesh, or the full SPMD mesh with
+            ``Replicate()`` on the data-parallel axes) and its placements there.
+        shape / stride: its global shape and stride.
+        dp_axes: the axes of ``mesh`` that are data-parallel (an SPMD mesh; empty for a TP mesh): a gradient keeps
+            its placements there (``Partial`` from a sharded batch is what the reduce-scatter sums), every other
+            axis is redistributed to the parameter's own placements before the reduce-scatter (FSDP2's rule).
+        sharded_mesh / sharded_placements: the sharded parameter as a DTensor (what ``fully_shard`` registers and
+            checkpoints hold): the data-parallel axes and the model's, ``Shard(dim)`` (``_StridedShard`` where the
+            model shards the same dim on a later axis) on the shard axis.
+        offsets: where this rank's local tensor starts in the global one (per dim).
+    """
+
+    mesh: object = dataclasses.field(repr=False)
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dp_axes: frozenset = frozenset()
+    sharded_mesh: object = dataclasses.field(default=None, repr=False)
+    sharded_placements: tuple = ()
+    offsets: tuple[int, ...] = ()
+
+    def present(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's local tensor, gathered over the data-parallel axes) as the module's DTensor,
+        differentiably: the gradient comes back as the local tensor of the gradient redistributed to the
+        parameter's placements on the model's axes (``_Present``)."""
+        if get_interpreter_stack():
+            raise NotImplementedError(
+                "a model-sharded (tensor-parallel DTensor) parameter under a torch.func transform: torch's DTensor "
+                "does not run under torch.func (DTensor.from_local's autograd Function has no setup_context); take "
+                "gradients with funcshard.value_and_grad or loss.backward() (plain autograd)")
+        return _Present.apply(local, self)
+
+
+class _Present(torch.autograd.Function):
+    """local tensor -> the module's DTensor (no copy); backward: the gradient DTensor redistributed to the
+    parameter's own placements on every non-data-parallel axis (a ``Partial`` there is summed over that axis, e.g.
+    the TP ranks), kept as it is on the data-parallel axes, and its local tensor (what the reduce-scatter takes)."""
+
+    @staticmethod
+    def forward(local, model):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, model.mesh, model.placements, run_check=False,
+                                  shape=torch.Size(model.shape), stride=model.stride)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.model = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(grad, DTensor):
+            return grad, None
+        model = ctx.model
+        target = tuple(grad.placements[i] if i in model.dp_axes else p for i, p in enumerate(model.placements))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(model.mesh, target)
+        return grad.to_local(), None
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     """How one parameter is sharded. Frozen, printable data.
@@ -114,6 +185,7 @@ class ShardSpec:
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()
     flat: FlatSlot | None = None
+    model: ModelSharding | None = None  # the model's own sharding (a TP DTensor): ``shape`` is then its local shape
 
     @functools.cached_property
     def numel(self) -> int:
@@ -203,6 +275,12 @@ class ShardSpec:
 
         from funcshard._mesh import dp_placements  # (_mesh imports this module)
 
+        if self.model is not None:  # over the data-parallel and the model's axes (``ModelSharding.sharded_*``)
+            m = self.model  # (placements given: a carrier whose placements nobody reads, replicated on every axis)
+            with torch.no_grad():
+                return DTensor.from_local(local, m.sharded_mesh, m.sharded_placements if placements is None else
+                                          (Replicate(),) * m.sharded_mesh.ndim, run_check=False,
+                                          shape=torch.Size(m.shape), stride=m.stride)
         if not self.shape:
             with torch.no_grad():
                 return DTensor.from_local(local.view(()), mesh, placements or (Replicate(),) * mesh.ndim,
@@ -213,6 +291,15 @@ class ShardSpec:
             return DTensor.from_local(local, mesh, placements or dp_placements(mesh, self.dim), run_check=False,
                                       shape=shape, stride=stride)
 
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's global shape: ``shape``, or the model's DTensor's when the model shards it too."""
+        return self.shape if self.model is None else self.model.shape
+
+    def present(self, full: torch.Tensor) -> torch.Tensor:
+        """A gathered parameter as the module uses it: itself, or the model's DTensor over it (``ModelSharding``)."""
+        return full if self.model is None else self.model.present(full)
+
     def boxes(self, rank: int) -> list[Box]:
         """The pieces of the parameter that rank ``rank`` holds, in global coordinates (none: only padding).
 
@@ -221,20 +308,25 @@ class ShardSpec:
         shard: a checkpoint written from either layout, at any world size, is read by any other."""
         if self.flat is not None:
             start, n = self.flat.piece(self.numel, self.world, rank)
-            return [Box(tuple(off), tuple(size), start=at - start)
+            shift = self.model.offsets if self.model is not None else (0,) * len(self.shape)
+            return [Box(tuple(o + d for o, d in zip(off, shift)), tuple(size), start=at - start)
                     for off, size, at in _range_boxes(self.shape, start, start + n)]
         n = self.local_valid(rank)
         if not n:
             return []
         if not self.shape:
             return [Box((), (), dim=0)]
-        offsets = [0] * len(self.shape)
-        offsets[self.dim] = rank * self.chunk
+        offsets = list(self.model.offsets) if self.model is not None else [0] * len(self.shape)
+        offsets[self.dim] += rank * self.chunk
         sizes = list(self.shape)
         sizes[self.dim] = n
         return [Box(tuple(offsets), tuple(sizes), dim=self.dim)]
 
     def describe(self) -> str:
+        if self.model is not None:  # the model's own sharding first: what the data-parallel axes shard is its local
+            m = self.model
+            return (f"{self.fqn}: {m.shape} {_placements_str(m)}, its local "
+                    f"{dataclasses.replace(self, model=None).describe().split(': ', 1)[1]}")
         if self.flat is not None:
             start, n = self.flat.piece(self.numel, self.world, self.flat.rank)
             return (f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} flat "
@@ -247,6 +339,12 @@ class ShardSpec:
             f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} "
             f"dim {self.dim} over axis {self.axis} -> local {self.local_shape}{pad}{frozen}{tied}"
         )
+
+
+def _placements_str(m: ModelSharding) -> str:
+    """The model's placements by axis name, e.g. ``"model-sharded (tp: Shard(dim=0))"``."""
+    names = m.mesh.mesh_dim_names or tuple(str(i) for i in range(m.mesh.ndim))
+    return "model-sharded (" + ", ".join(f"{n}: {p}" for n, p in zip(names, m.placements)) + ")"
 
 
 def dim_range(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -270,12 +368,15 @@ def placement_dim(fqn: str, chosen: object) -> int:
 
 
 def make_spec(fqn: str, param: torch.Tensor, dim: int, *, axis: int, world: int,
-              aliases: tuple[str, ...] = ()) -> ShardSpec:
+              aliases: tuple[str, ...] = (), model: ModelSharding | None = None,
+              requires_grad: bool | None = None) -> ShardSpec:
     """The spec of ``param`` sharded on ``dim`` (in ``dim_range``: callers check it and word the error) over
     ``world`` ranks of mesh axis ``axis``. The one place a parameter becomes a spec, for ``plan`` and ``fully_shard``.
+    ``model``: the parameter is a DTensor the model shards itself; ``param`` is then its local tensor.
     """
     lo, hi = dim_range(tuple(param.shape))
     if not lo <= dim <= hi:
         raise ShardingError(f"{fqn}: shape {tuple(param.shape)} has no dim {dim}; pick a dim in [{lo}, {hi}]")
     return ShardSpec(fqn=fqn, shape=tuple(param.shape), dtype=param.dtype, dim=dim % (hi + 1), axis=axis,
-                     world=world, requires_grad=param.requires_grad, aliases=aliases or (fqn,))
+                     world=world, requires_grad=param.requires_grad if requires_grad is None else requires_grad,
+                     aliases=aliases or (fqn,), model=model)

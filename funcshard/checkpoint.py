@@ -239,7 +239,7 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     keys = {}  # parameter path -> the name it has in the checkpoint (its first alias present there)
     for k, s in specs.items():
         keys[k] = next((a for a in s.aliases if f"{MODEL}.{a}" in md), k)
-        _expect(problems, md, f"{MODEL}.{keys[k]}", s.shape, s.dtype)
+        _expect(problems, md, f"{MODEL}.{keys[k]}", s.global_shape, s.dtype)
     buffers = _buffers(plan)
     for k, b in buffers.items():
         _expect(problems, md, f"{MODEL}.{k}", tuple(b.shape), b.dtype)
@@ -259,7 +259,7 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
         for _, part, field, name in trees:
             for k in getattr(part, field):
-                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", specs[k].shape, specs[k].dtype)
+                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", specs[k].global_shape, specs[k].dtype)
     if problems:
         raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
                     "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
@@ -332,6 +332,7 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     import torch.distributed as dist
 
     check_state(plan, state)
+    _not_model_sharded(plan, "export_full")
     if not (isinstance(rank, int) and 0 <= rank < plan.mesh.size(plan.shard_axis)):
         raise ValueError(f"export_full: rank={rank!r} is not an index on the shard axis (axis {plan.shard_axis} of "
                          f"{plan.mesh}, size {plan.mesh.size(plan.shard_axis)}); pass 0 <= rank < "
@@ -414,12 +415,20 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
                             f"{'the previous file is kept' if tmp else 'the callable stopped'}: {msg[0]}")
 
 
+def _not_model_sharded(plan: Plan, what: str) -> None:
+    tp = [k for k, s in plan.specs.items() if s.model is not None]
+    if tp:
+        raise NotImplementedError(f"{what} of a plan with model-sharded (tensor-parallel) parameters ({tp[:3]}) is not "
+                                  f"built; save with funcshard.checkpoint.save (DCP), which handles them")
+
+
 def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
     """This rank's shards read from a full ``safetensors`` file (e.g. a Hugging Face checkpoint, or
     :func:`export_full`'s): each rank reads only the bytes of its own rows, so the peak memory is the sharded
     state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
     ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
     loaded). The module's buffers found in the file are loaded into it."""
+    _not_model_sharded(plan, "import_full")
     reader = Reader(path)
     try:
         problems, names = [], {}

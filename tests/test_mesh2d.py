@@ -10,6 +10,8 @@ group sizes that are powers of two every divide is exact, so the bits agree (2x2
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,8 +39,8 @@ def _mesh(shape):
 
 
 class GroupCollectives(TorchDispatchMode):
-    """Every c10d op at dispatch: (kind, the ranks of its process group, dtype, elements per rank, bytes of the
-    unsharded buffer; an all-reduce's buffer)."""
+    """Every c10d op at dispatch (and DTensor's functional collectives): (kind, the ranks of its process group, dtype,
+    elements per rank, bytes of the unsharded buffer; an all-reduce's buffer)."""
 
     def __init__(self):
         super().__init__()
@@ -60,16 +62,33 @@ class GroupCollectives(TorchDispatchMode):
                 self.calls.append((kind, ranks, part.dtype, part.numel(), full.numel() * full.element_size()))
             else:
                 self.calls.append((kind, None, None, 0, 0))
+        elif name.startswith("_c10d_functional.") and (kind := next(
+                (k for k in ("all-gather", "reduce-scatter", "all-reduce") if k.replace("-", "_") in name), None)):
+            from torch.distributed.distributed_c10d import _resolve_process_group  # DTensor's (TP's) collectives
+
+            group = [a for a in args if isinstance(a, str)][-1]  # (its last str argument; a reduce op comes first)
+            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+            t = args[0]
+            full = t.numel() * (len(ranks) if kind == "all-gather" else 1)
+            part = t.numel() // (len(ranks) if kind == "reduce-scatter" else 1)
+            self.calls.append((kind, ranks, t.dtype, part, full * t.element_size()))
         return func(*args, **(kwargs or {}))
 
 
-def _per_group(calls):
-    """(kind, group size) -> (count, bytes): what each process group ran."""
+def _per_group(calls, axes=None):
+    """(kind, group size) -> (count, bytes): what each process group ran. ``axes`` (``_axes(mesh)``): key by the mesh
+    axis name instead of the size (two axes of one size, e.g. dp and tp of a 2x2 mesh)."""
     out: dict = {}
     for kind, ranks, _, _, nbytes in calls:
-        n, b = out.get((kind, len(ranks or ())), (0, 0))
-        out[(kind, len(ranks or ()))] = (n + 1, b + nbytes)
+        key = (kind, len(ranks or ()) if axes is None else axes.get(ranks, ranks))
+        n, b = out.get(key, (0, 0))
+        out[key] = (n + 1, b + nbytes)
     return out
+
+
+def _axes(mesh):
+    """{ranks of this rank's process group on an axis: the axis' name}, for ``_per_group``."""
+    return {tuple(dist.get_process_group_ranks(mesh.get_group(n))): n for n in mesh.mesh_dim_names}
 
 
 # ---- parity with torch's FSDP2 (fully_shard) ----------------------------------------------------------------------
@@ -131,6 +150,24 @@ def test_fully_shard_matches_fsdp2_on_2d_meshes(shape, names):
             assert numbers == 0 and params == 0, (shape, name, numbers, params)
             same, ref, got = _same_traffic(ref, got)
             assert same, (shape, name, ref, got)
+
+
+def _parities(cases):
+    return {shape: _parity(shape, names) for shape, names in cases}
+
+
+def test_fully_shard_matches_fsdp2_at_three_ranks():
+    """W = 3 (a size that is not a power of two): 1-D (the reduce-scatter's divide) and 3x1 (the all-reduce's). Each
+    gradient is divided once by 3 in both systems (FSDP2: gloo's AVG, the sum then a divide in the same dtype;
+    funcshard: the sum, then one divide), so the bits agree: tolerance 0. They could differ only where FSDP2 averages
+    twice (a divide on each axis of an HSDP mesh with both axes > 1 and one of them not a power of two, e.g. 2x3 = 6
+    ranks, not run here: a rounding per divide, a few ulps)."""
+    for res in run_ranks(3, _parities, [((3,), ["plain", "hook"]), ((3, 1), ["plain"])]):
+        for shape, by_name in res.items():
+            for name, (numbers, params, ref, got) in by_name.items():
+                assert numbers == 0 and params == 0, (shape, name, numbers, params)
+                same, ref, got = _same_traffic(ref, got)
+                assert same, (shape, name, ref, got)
 
 
 # ---- the functional path: against a one-process reference, and against fully_shard -------------------------------
@@ -289,15 +326,19 @@ def test_int_reshard_holds_a_kth_between_forward_and_backward():
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
+def catch_into(out, name, fn):
+    """Run ``fn``; ``out[name]`` is ``"no error"`` or ``"<type>: <message>"`` (errors are compared in the parent)."""
+    try:
+        fn()
+        out[name] = "no error"
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+
+
 def _errors():
     out = {}
 
-    def catch(name, fn):
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    catch = functools.partial(catch_into, out)
 
     model = MLP(layers=2)
     catch("plan_3d", lambda: funcshard.plan(model, init_device_mesh("cpu", (1, 2, 2)), groups=(Block,)))

@@ -25,10 +25,11 @@ from funcshard._tree import module_io_leaves
 
 
 class _Slots:
-    __slots__ = ("slots", "originals", "rest", "swapped", "views")
+    __slots__ = ("slots", "originals", "rest", "swapped", "views", "present")
 
-    def __init__(self, slots: list[tuple[nn.Module, str, int]]):
+    def __init__(self, slots: list[tuple[nn.Module, str, int]], present: tuple | None = None):
         self.slots = slots
+        self.present = present  # per parameter, ShardSpec.present for a model-sharded (TP) one, else None
         self.originals: list[Any] | None = None  # what the slots held before the step
         self.rest: list | None = None  # what they hold while not swapped in (None: the originals)
         self.swapped = False
@@ -39,8 +40,8 @@ class _Slots:
 class Binding:
     """Every group's parameter slots in the module."""
 
-    def __init__(self, slots: dict[str, list]):
-        self.groups = {name: _Slots(s) for name, s in slots.items()}
+    def __init__(self, slots: dict[str, list], present: dict[str, tuple | None] | None = None):
+        self.groups = {name: _Slots(s, (present or {}).get(name)) for name, s in slots.items()}
 
     def swap_in(self, name: str) -> bool:
         """Put the group's views on the module (False: it has none)."""
@@ -52,6 +53,8 @@ class Binding:
             return False
         if b.originals is None:
             b.originals = [param_slots(mod)[attr] for mod, attr, _ in b.slots]
+        if b.present is not None:  # the model's DTensors over the gathered local tensors (FSDP over TP)
+            views = tuple(v if f is None else f(v) for f, v in zip(b.present, views))
         for mod, attr, i in b.slots:
             param_slots(mod)[attr] = views[i]
         b.swapped = True
@@ -84,6 +87,13 @@ def slots(plan: Plan, group: Group) -> list[tuple[nn.Module, str, int]]:
             mod_path, _, attr = path.rpartition(".")
             out.append((plan.module.get_submodule(mod_path), attr, i))
     return out
+
+
+def presents(plan: Plan, group: Group) -> tuple | None:
+    """Per parameter of the group, how the module sees it gathered (``ShardSpec.present``: a DTensor for one the
+    model shards itself), None for a plain one; None when the group has none."""
+    out = tuple(plan.specs[p].present if plan.specs[p].model is not None else None for p in group.params)
+    return out if any(f is not None for f in out) else None
 
 
 class ForwardTracker:

@@ -36,7 +36,7 @@ from funcshard._layout import layouts
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating
 from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
-from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, slots
+from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, presents, slots
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.prefetch import Prefetcher
@@ -51,6 +51,7 @@ class _PlanFacts:
 
     def __init__(self, plan: Plan):
         self.slots = {g.name: slots(plan, g) for g in plan.groups}
+        self.present = {g.name: presents(plan, g) for g in plan.groups}
         self.placeholders = {g.name: [NotGathered(plan.specs[g.params[i]], g.name) for _, _, i in self.slots[g.name]]
                              for g in plan.groups}
         self.members = {g.name: frozenset(id(plan.module.get_submodule(m)) for m in g.modules) for g in plan.groups}
@@ -81,7 +82,7 @@ class Step:
         facts = self.facts = _facts(plan)
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state) for g in plan.groups}
-        self.binding = Binding(facts.slots)
+        self.binding = Binding(facts.slots, facts.present)
         self.tracker = ForwardTracker(facts.members)
         self.prefetcher = Prefetcher(self)
         self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)

@@ -17,9 +17,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
+from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
 from funcshard._compile import runtime_boundary
-from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of, dp_axes
+from funcshard._mesh import (
+    check_mesh,
+    default_fsdp_mesh,
+    device_of,
+    dp_axes,
+    model_sharding,
+    spmd_dp_mesh,
+)
 from funcshard._policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -41,14 +48,11 @@ def _not_built(what: str, instead: str) -> NotImplementedError:
 
 
 def _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims) -> None:
-    if dp_mesh_dims is not None:
-        raise _not_built("dp_mesh_dims (DTensor parameters on a full SPMD mesh)",
-                         "pass the data-parallel sub-mesh, e.g. mesh['dp'] or mesh[('replicate', 'shard')]")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}")
     if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
         raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
-    if mesh.ndim not in (1, 2):
+    if dp_mesh_dims is None and mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a 2-D "
                          f"(replicate, shard) mesh (HSDP); pass the data-parallel sub-mesh, e.g. "
                          f"mesh[('replicate', 'shard')]")
@@ -365,8 +369,15 @@ def fully_shard(
     Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
     ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
     means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
-    ``k`` ranks until backward. Not built (NotImplementedError): CPU offload, ``dp_mesh_dims`` and DTensor
-    (tensor-parallel) parameters. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    ``k`` ranks until backward (also with tensor parallel, where FSDP2 refuses it).
+
+    FSDP over tensor parallel (FSDP2's two forms): DTensor parameters on ``mesh['tp']`` of the mesh ``mesh`` was
+    sliced from (``parallelize_module`` first, then ``fully_shard(block, mesh=mesh['dp'])``), or, with
+    ``dp_mesh_dims=DataParallelMeshDims(shard='dp', replicate=...)``, DTensors on the full SPMD ``mesh`` with
+    ``Replicate()`` on its data-parallel axes: each local tensor is sharded over the data-parallel axes; the
+    parameter is a DTensor over both (``_StridedShard`` where FSDP2 uses it), the module sees its DTensor gathered.
+    Not built (NotImplementedError): CPU offload. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of
+    :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -379,6 +390,11 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
+    spmd = None  # dp_mesh_dims: the indices of the data-parallel axes in the full SPMD mesh; FSDP runs on those
+    if dp_mesh_dims is not None:
+        if mesh.mesh_dim_names is None:
+            raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+        mesh, spmd = spmd_dp_mesh(mesh, dp_mesh_dims)
     device = device_of(mesh)
     check_mesh(mesh)
     axes = dp_axes(mesh)  # (1-D: shard over it; 2-D: (replicate, shard), HSDP)
@@ -394,13 +410,18 @@ def fully_shard(
             raise _not_built("shard_placement_fn returning a per-parameter mesh (ShardPlacementResult)",
                              "return Shard(dim) or None")
         dim = 0 if placement is None else placement.dim
-        lo, hi = dim_range(tuple(p.shape))
+        local = dtensor_local(p) if isinstance(p, DTensor) else p  # (tensor parallel: its local tensor is sharded)
+        lo, hi = dim_range(tuple(local.shape))
         if not lo <= dim <= hi:
             raise FullyShardError(f"shard_placement_fn returned Shard({dim}) for {path!r} of shape "
-                                  f"{tuple(p.shape)}; pick a dim in [{lo}, {hi}] (FSDP2: Shard dim {dim} is invalid "
-                                  f"for {p.dim()}D tensor)")
-        spec = make_spec(path, p, dim, axis=axes.shard, world=world)
-        full = p.detach() if p.is_meta else p.detach().to(device)
+                                  f"{tuple(local.shape)}; pick a dim in [{lo}, {hi}] (FSDP2: Shard dim {dim} is "
+                                  f"invalid for {local.dim()}D tensor)")
+        if spmd is not None and local is p:
+            raise ValueError(f"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+                             f"(e.g. via distribute_module). Got plain tensor for parameter {path!r}.")
+        model = None if local is p else model_sharding(path, p, mesh, dim % (hi + 1), spmd)
+        spec = make_spec(path, local, dim, axis=axes.shard, world=world, model=model, requires_grad=p.requires_grad)
+        full = local.detach() if local.is_meta else local.detach().to(device)
         records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
@@ -481,9 +502,6 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
                                  f"by another fully_shard call, on {owner.name()}; a parameter belongs to one unit: "
                                  f"shard the modules sharing it together, fully_shard([a, b]), or leave it to a "
                                  f"common ancestor")
-            if isinstance(p, DTensor):
-                raise _not_built("fully_shard on DTensor parameters (FSDP + tensor parallel)",
-                                 "pass plain parameters")
             if p.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {path} to a 1D tensor "
                                  f"with numel equal to 1.")

@@ -107,7 +107,7 @@ class _Context:
         recs = {id(r.param): r for u in self.units for r in u.params}
         nested = [u for u in self.units if u is not top]
         base = make_plan(root, top.mesh, groups=[tuple(paths[id(m)] for m in u.modules) for u in nested],
-                         shard_placement_fn=lambda fqn, q: recs[id(q)].spec.dim if id(q) in recs else None,
+                         _spec_of=lambda fqn, q: recs[id(q)].spec if id(q) in recs else None,
                          layout="per_param")  # DTensor Shard(dim) locals: one padded shard per parameter
         self.recs = {f: recs[i] for f in base.specs if (i := id(root.get_parameter(f))) in recs}
         groups = []  # ignored parameters stay plain module parameters, out of the plan
