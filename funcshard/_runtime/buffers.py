@@ -80,6 +80,8 @@ class GroupBuffers:
             with no_functorch():
                 self.pending = start_regather(self.layout, post, group, rank, k)
             self.status = Status.GATHERING
+            if LISTENERS:
+                emit("all-gather issued", self.group.name, self)
             return
         with no_functorch(), no_grad():
             flat = self.flat_shards
