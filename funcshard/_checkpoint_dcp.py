@@ -14,9 +14,10 @@ tensors are shards of a multi-rank plan (``shard``, ``funcshard.optim`` and ``fu
 what they return, and the optimizers pass the mark on to the moments they make) by giving each such tensor its own
 answer to DCP's protocol names (instance attributes; nothing is set on ``torch.Tensor``, so no other tensor
 changes; the answer is the mark: ``spec_of`` reads it): a :class:`_Refusal`, which raises a ``ShardingError``
-pointing to ``funcshard.checkpoint``. The optimizer states (tuples, which DCP pickles whole without looking inside) answer the same way when they hold a
-marked shard (:func:`refuse_container`). A marked shard pickles (``torch.save``) as a plain tensor: its instance
-attributes (the answers, and any of the user's) are left out of its pickled state.
+pointing to ``funcshard.checkpoint``. The optimizer states (tuples, which DCP pickles whole without looking inside)
+answer the same way when they hold a marked shard (:func:`refuse_container`). A marked shard pickles
+(``torch.save``) as a plain tensor: its instance attributes (the answers, and any of the user's) are left out of its
+pickled state.
 
 What it cannot see: a tensor the user derives from a shard (``clone()``, ``.to()``, ``detach()``, arithmetic) is a
 new tensor without the mark, which DCP saves as a replica again, and so is a shard that went through

@@ -82,6 +82,7 @@ import torch.distributed as dist
 
 from funcshard._checkpoint_dcp import inherit, refuse_container
 from funcshard._compat import (
+    DCP_WRITE_ITEMS,
     foreach_add,
     foreach_add_,
     foreach_addcdiv,
@@ -200,39 +201,42 @@ class ClipByGlobalNormState(NamedTuple):
 _STATES = [EmptyState, ScaleState, ScaleByScheduleState, ScaleByAdamState, AddDecayedWeightsState, TraceState,
            ClipByGlobalNormState]
 _CHAINS: dict[int, type] = {}
-_CHAIN_TYPES: set[type] = set()
 
 
 def chain_state_class(n: int) -> type:
     """The state class of a chain of ``n`` transformations: a namedtuple ``ChainState<n>(s0, ..., s<n-1>)`` (a
     tuple, indexed and unpacked as optax's plain tuple; a pytree node for optree and torch's pytree alike). Not a
-    plain tuple so that it can answer ``torch.distributed.checkpoint`` (see :func:`refuse_container`)."""
+    plain tuple so that it can answer ``torch.distributed.checkpoint`` (see :func:`refuse_container`). Made on first
+    use; it pickles as ``_chain_state(n, states)``, one safe global for ``torch.load(weights_only=True)``."""
     cls = _CHAINS.get(n)
     if cls is None:
         cls = collections.namedtuple(f"ChainState{n}", [f"s{i}" for i in range(n)], module=__name__)
         cls.__doc__ = f"State of a :func:`chain` of {n} transformations: their states in order."
-        _CHAINS[n] = globals()[cls.__name__] = cls  # (pickle finds it by module and name)
-        _CHAIN_TYPES.add(cls)
+        cls.__reduce__ = lambda self: (_chain_state, (len(self), tuple(self)))
+        _CHAINS[n] = cls
         _serve(cls)
     return cls
 
 
+def _chain_state(n: int, states: tuple) -> tuple:
+    """A pickled ``ChainState<n>`` (see :func:`chain_state_class`)."""
+    return chain_state_class(n)(*states)
+
+
 def is_chain_state(state: Any) -> bool:
     """Whether ``state`` is a chain's state (a ``ChainState<n>``, or a plain tuple of states as optax keeps)."""
-    return type(state) in _CHAIN_TYPES or type(state) is tuple
+    return type(state) is tuple or (isinstance(state, tuple) and _CHAINS.get(len(state)) is type(state))
 
 
 def _serve(cls: type) -> None:
     # plain DCP of an optimizer state holding shards of a multi-rank plan: a clear error, not one rank's copy
-    cls.__create_write_items__ = refuse_container
-    # torch.load's default (weights_only=True) unpickles only allowlisted classes: the states are plain data
-    torch.serialization.add_safe_globals([cls])
+    setattr(cls, DCP_WRITE_ITEMS, refuse_container)
 
 
+# torch.load's default (weights_only=True) unpickles only allowlisted classes: the states are plain data
+torch.serialization.add_safe_globals([*_STATES, _chain_state])
 for _cls in _STATES:
     _serve(_cls)
-for _n in range(65):  # made at import, so that torch.load(weights_only=True) finds them in a fresh process
-    chain_state_class(_n)
 
 
 # --------------------------------------------------------------------------
