@@ -96,3 +96,28 @@ def test_a_trace_entered_twice_is_refused():
     with tr:  # entered again after its exit: records on
         tr("freed", "blocks.0", None)
     assert len(tr.events) == 2
+
+
+def _traced_regather():
+    """An int reshard_after_forward: each block's backward gather runs within its block of 2 ranks, from the shards it
+    kept after forward (``start_regather``)."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = funcshard.plan(_Blocks(), mesh, groups=(nn.Sequential,), reshard_after_forward=2)
+    state = funcshard.shard(plan)
+    x = torch.randn(8, 32)
+    with trace() as tr:
+        funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().mean())(state)
+    return [(e.what, e.group) for e in tr.events if e.group.startswith("blocks")]
+
+
+def test_trace_records_the_int_reshard_regather():
+    """The all-gather of a group kept sharded over k ranks after forward is recorded like any other (issue 17: it
+    was not): each block is issued twice (forward, then the re-gather for backward), each issue followed by its wait
+    and its gathered event, and the re-gather's span ends at its own gathered event."""
+    events = run_ranks(4, _traced_regather)[0]
+    for i in range(4):
+        mine = [what for what, g in events if g == f"blocks.{i}"]
+        assert mine.count("all-gather issued") == 2, mine
+        second = mine.index("all-gather issued", mine.index("all-gather issued") + 1)
+        assert mine[second:second + 3] == ["all-gather issued", "all-gather wait", "gathered"], mine

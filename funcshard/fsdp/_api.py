@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._compat import buffer_slots, current_graph_task_id, param_slots
+from funcshard._collectives import check_timeout
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh, default_fsdp_mesh, device_of, dp_axes
 from funcshard._policy import (
@@ -356,6 +357,8 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    timeout: float | None = None,
+    check: bool = False,
 ):
     """Shard ``module``'s parameters over ``mesh`` like ``torch.distributed.fsdp.fully_shard`` (same
     signature and semantics; apply bottom-up: blocks, then the root). A list of modules forms one unit.
@@ -365,8 +368,9 @@ def fully_shard(
     Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
     ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
     means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
-    ``k`` ranks until backward. Not built (NotImplementedError): CPU offload, ``dp_mesh_dims`` and DTensor
-    (tensor-parallel) parameters. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    ``k`` ranks until backward. ``timeout`` / ``check`` (funcshard's, not FSDP2's): ``funcshard.plan``'s, for the
+    whole model (the shortest timeout any call gives; check mode if any call asks). Not built (NotImplementedError):
+    CPU offload, ``dp_mesh_dims`` and DTensor (tensor-parallel) parameters. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -379,6 +383,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
+    check_timeout(timeout, "fully_shard")
     device = device_of(mesh)
     check_mesh(mesh)
     axes = dp_axes(mesh)  # (1-D: shard over it; 2-D: (replicate, shard), HSDP)
@@ -405,6 +410,7 @@ def fully_shard(
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
     unit.mp_policy = mp_policy
+    unit.timeout, unit.check = timeout, bool(check)
     for (_, p), r in zip(params, records):
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)
