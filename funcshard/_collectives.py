@@ -11,10 +11,10 @@ result is read. On CUDA with NCCL the collective runs on the process group's own
 gloo, the collective runs on gloo's threads while Python continues, and ``wait()`` blocks.
 
 Bounded waits: every wait of the runtime goes through ``wait_work`` (the one owner). On a process group whose waits
-block the CPU (gloo) it waits at most the plan's timeout (``Work.wait(timeout=...)``, c10d's own
-mechanism; gloo's reduce-scatter ignores that timeout, so its wait runs in a helper thread, ``_Waiter``), then raises a ``CollectiveTimeout`` naming the collective, its group and the step's phase; a collective
-that fails (a peer that died: gloo's "Connection reset by peer") raises a ``CollectiveError``. Either way the process
-group is marked broken (``broken``): a collective of it may still be pending in gloo's threads, tags no longer pair
+block the CPU (gloo) it waits at most the plan's timeout (``Work.wait(timeout=...)``, c10d's own mechanism; gloo's
+reduce-scatter ignores that timeout, so its wait runs in a helper thread, ``_Waiter``), then raises a
+``CollectiveTimeout`` naming the collective, its group and the step's phase; a collective that fails (a peer that
+died: gloo's "Connection reset by peer") raises a ``CollectiveError``. Either way the process group is marked broken (``broken``): a collective of it may still be pending in gloo's threads, tags no longer pair
 up, so every later wait on it raises at once (no second timeout) and nothing frees a buffer such a collective may still
 write. On NCCL ``wait()`` is a stream fence (the CPU does not wait; a bounded wait would block it), so there the bound
 is the process group's own timeout, enforced by NCCL's watchdog (``init_process_group(timeout=...)``).

@@ -258,7 +258,8 @@ class Plan:
             f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
             f"gradients divided by {self.divide_factor:g} after reduce-scatter"
             f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}"
-            + (f"; timeout {self.timeout:g} s" if self.timeout is not None else "") + ("; check mode" if self.check else ""),
+            + (f"; timeout {self.timeout:g} s" if self.timeout is not None else "")
+            + ("; check mode" if self.check else ""),
         ]
         step = schedule(self)
         for g in self.groups:

@@ -159,14 +159,14 @@ def test_microbatches_apply_the_waiting_rank_times_out():
 @pytest.mark.parametrize("check, kind, message", [
     (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1'|reduce-scatter of group 'blocks.3') "
                                  r"\(backward\) did not complete within 2 s"),
-    (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: ranks "
-                              r"\[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter of group "
-                              r"'blocks.3' \(backward\)\. Every rank must run the same groups in the same order"),
+    (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: "
+                              r"ranks \[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter "
+                              r"of group 'blocks.3' \(backward\)\. Every rank must run the same groups"),
 ])
 def test_microbatches_fully_shard(check, kind, message):
-    """fully_shard's microbatches (set_requires_gradient_sync on the last one): the rank that syncs early reduce-scatters
-    while the other gathers for its next microbatch. Both ranks raise: a timeout naming each one's collective, or
-    in check mode the first differing collective."""
+    """fully_shard's microbatches (set_requires_gradient_sync on the last one): the rank that syncs early
+    reduce-scatters while the other gathers for its next microbatch. Both ranks raise: a timeout naming each one's
+    collective, or in check mode the first differing collective."""
     for k, m, intact in run_ranks(2, _scenario, "fully_shard", "microbatches", check, timeout=JOB_S):
         assert k == kind and re.search(message, m, re.S) and intact, m
 

@@ -96,6 +96,7 @@ def _read(kind: str, peers, seq: int, seconds: float | None, doing: str) -> list
     pg, store, world, _, ranks = peers
     keys = [f"funcshard/{kind}/{seq % _SLOTS}/{r}" for r in range(world)]
     deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
+    delay = 1e-3  # (a late rank: polled with backoff, up to 10 reads a second, so waiting ranks spare the store)
     while True:
         left = deadline - time.monotonic()
         try:
@@ -118,7 +119,8 @@ def _read(kind: str, peers, seq: int, seconds: float | None, doing: str) -> list
                 f"restart the job (or make a new process group, mesh, plan and state). Raise the bound with "
                 f"plan(..., timeout=s), fully_shard(..., timeout=s) or FUNCSHARD_TIMEOUT=s if a rank is legitimately "
                 f"that slow")
-        time.sleep(0.002)
+        time.sleep(delay)
+        delay = min(2 * delay, 0.1)
 
 
 class Checks(Part):
@@ -134,17 +136,16 @@ class Checks(Part):
         """End of forward: post this rank's requires-grad mask and the groups its forward ran, on the shard group and
         the replicate group (HSDP)."""
         step = self.step
+        groups = [peers for pg in (step.pg, step.replicate_pg) if pg is not None and (peers := _peers(pg)) is not None]
+        if not groups:
+            return
         masks = tuple(gb.grad_mask for gb in step.groups.values())
         cache = step.facts.masks
         value = cache.get(masks)
         if value is None:
             value = cache[masks] = packed_mask(masks)
         value = f"{value} |{','.join(step.prefetcher.order)}"
-        pending = []
-        for pg in (step.pg, step.replicate_pg):
-            if pg is not None and (peers := _peers(pg)) is not None:
-                pending.append((peers, _post("step", peers, value), value))
-        self.pending = pending
+        self.pending = [(peers, _post("step", peers, value), value) for peers in groups]
 
     def agree(self) -> None:
         """Start of backward (before any backward collective; the first reduce-scatter or the end of backward if no

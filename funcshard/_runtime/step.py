@@ -13,7 +13,8 @@
 Failures: every wait is bounded by the plan's timeout (``_collectives.wait_work``); a collective that fails, times
 out, or a check that finds the ranks diverged raises a ``CollectiveError`` through ``Step.fail``, which puts the
 module's own parameters back and drops what is in flight without waiting for it (``_failing`` marks the methods that
-may raise one). ``apply`` is pure, so its state is untouched; ``fully_shard``'s parameters are its sharded DTensors again.
+may raise one). ``apply`` is pure, so its state is untouched; ``fully_shard``'s parameters are its sharded DTensors
+again.
 
 The Step itself routes module hooks and autograd hooks to them; ``open_forward`` / ``close_forward`` wrap
 ``apply``'s call of the module.
@@ -75,8 +76,9 @@ class _PlanFacts:
         self.steps: weakref.WeakSet = weakref.WeakSet()  # apply's steps (a backward that raised is finished later)
         self.order_warned = False
         self.seconds = resolve_timeout(plan.timeout)  # the bound on every wait (None: unbounded)
-        self.desc = (f"{type(plan.module).__name__} in {len(plan.groups)} groups, timeout "
-                     f"{'none' if self.seconds is None else f'{self.seconds:g} s'}{', check mode' if plan.check else ''}")
+        bound = "none" if self.seconds is None else f"{self.seconds:g} s"
+        self.desc = (f"{type(plan.module).__name__} in {len(plan.groups)} groups, timeout {bound}"
+                     f"{', check mode' if plan.check else ''}")
         self.masks: dict = {}  # requires-grad masks -> their packed words (check.packed_mask)
         self.device = device_of(plan.mesh)
 

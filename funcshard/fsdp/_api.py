@@ -370,7 +370,8 @@ def fully_shard(
     means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
     ``k`` ranks until backward. ``timeout`` / ``check`` (funcshard's, not FSDP2's): ``funcshard.plan``'s, for the
     whole model (the shortest timeout any call gives; check mode if any call asks). Not built (NotImplementedError):
-    CPU offload, ``dp_mesh_dims`` and DTensor (tensor-parallel) parameters. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    CPU offload, ``dp_mesh_dims`` and DTensor (tensor-parallel) parameters. Returns ``module``, its class now
+    ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
