@@ -14,10 +14,11 @@ Bounded waits: every wait of the runtime goes through ``wait_work`` (the one own
 block the CPU (gloo) it waits at most the plan's timeout (``Work.wait(timeout=...)``, c10d's own mechanism; gloo's
 reduce-scatter ignores that timeout, so its wait runs in a helper thread, ``_Waiter``), then raises a
 ``CollectiveTimeout`` naming the collective, its group and the step's phase; a collective that fails (a peer that
-died: gloo's "Connection reset by peer") raises a ``CollectiveError``. Either way the process group is marked broken (``broken``): a collective of it may still be pending in gloo's threads, tags no longer pair
-up, so every later wait on it raises at once (no second timeout) and nothing frees a buffer such a collective may still
-write. On NCCL ``wait()`` is a stream fence (the CPU does not wait; a bounded wait would block it), so there the bound
-is the process group's own timeout, enforced by NCCL's watchdog (``init_process_group(timeout=...)``).
+died: gloo's "Connection reset by peer") raises a ``CollectiveError``. Either way the process group is marked broken
+(``broken``): a collective of it may still be pending in gloo's threads, tags no longer pair up, so every later wait
+on it raises at once (no second timeout) and nothing frees a buffer such a collective may still write. On NCCL
+``wait()`` is a stream fence (the CPU does not wait; a bounded wait would block it), so there the bound is the process
+group's own timeout, enforced by NCCL's watchdog (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ _FIX = ("Make every rank run the same groups in the same order (no data-dependen
         "number of microbatches and forwards), and find the rank that failed first in its own log. The process group "
         "can no longer be trusted ({why}): end the job and restart it (torchrun restarts it from the last checkpoint), "
         "or destroy it and make a new one with a new mesh, plan and state. Raise the bound with plan(..., timeout=s), "
-        "fully_shard(..., timeout=s) or FUNCSHARD_TIMEOUT=s if a rank is legitimately that slow.")
+        "model.set_timeout(s) (fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is legitimately that slow.")
 
 
 def wait_work(work, where: Where | None) -> None:
@@ -238,6 +239,7 @@ class _Waiter:
                 work.wait()
             except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
                 box.append(e)
+            work = None  # (not held while the thread waits for the next: a work keeps its tensors alive)
             done.set()
 
     @classmethod

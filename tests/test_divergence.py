@@ -101,8 +101,10 @@ def _scenario(path: str, scenario: str, check: bool = False):
     from torch.distributed.tensor import DTensor
 
     for b in model.blocks:
-        funcshard.fully_shard(b, mesh=mesh, timeout=TIMEOUT, check=check)
-    funcshard.fully_shard(model, mesh=mesh, timeout=TIMEOUT, check=check)
+        funcshard.fully_shard(b, mesh=mesh)
+    funcshard.fully_shard(model, mesh=mesh)
+    model.set_timeout(TIMEOUT)
+    model.set_check_mode(check)
     for name in how["frozen"]:
         model.get_parameter(name).requires_grad_(False)
     before = {n: p.to_local().clone() for n, p in model.named_parameters()}

@@ -18,7 +18,7 @@ store does not grow. Every rank reads every rank's post, so every rank raises th
 the first differing parameter or group and the ranks on each side, before any mismatched reduce-scatter runs. HSDP:
 the same exchange over the replicate group. The fake process group (no peers) is not checked.
 
-Check mode (``plan(..., check=True)``, ``fully_shard(..., check=True)``; off by default): **the sequence of
+Check mode (``plan(..., check=True)``, ``fully_shard``'s ``set_check_mode(True)``; off by default): **the sequence of
 collectives**. Before each all-gather and reduce-scatter the step issues, and at the end of each forward and backward,
 the ranks exchange what they are about to do (kind, group, phase) through the same store: a forward that skipped a
 group on one rank is found at the first differing collective, on every rank, each rank's collective named. It costs
@@ -117,8 +117,8 @@ def _read(kind: str, peers, seq: int, seconds: float | None, doing: str) -> list
                 f"something else (a forward that ran fewer groups, another number of microbatches or forwards, a rank "
                 f"that raised). Fix: make every rank run the same steps; the process group can no longer be trusted: "
                 f"restart the job (or make a new process group, mesh, plan and state). Raise the bound with "
-                f"plan(..., timeout=s), fully_shard(..., timeout=s) or FUNCSHARD_TIMEOUT=s if a rank is legitimately "
-                f"that slow")
+                f"plan(..., timeout=s), model.set_timeout(s) (fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is "
+                f"legitimately that slow")
         time.sleep(delay)
         delay = min(2 * delay, 0.1)
 

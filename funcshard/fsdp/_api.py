@@ -294,6 +294,18 @@ class FSDPModule:
         """All-gather these modules' parameters when this module's backward starts."""
         self._set_prefetch("backward", modules)
 
+    def set_timeout(self, timeout: float | None, *, recurse: bool = True) -> None:
+        """funcshard's (not FSDP2's): seconds a collective of a step may take before every waiting rank raises
+        ``CollectiveTimeout`` (``funcshard.plan(timeout=)``; None: ``FUNCSHARD_TIMEOUT``, else 300). The model's
+        steps use the shortest timeout set on any of its modules."""
+        check_timeout(timeout, "set_timeout")
+        self._set(recurse, timeout=timeout)
+
+    def set_check_mode(self, check: bool, *, recurse: bool = True) -> None:
+        """funcshard's (not FSDP2's): check mode (``funcshard.plan(check=)``): the ranks check that they run the same
+        collectives in the same order; on for the model if set on any of its modules."""
+        self._set(recurse, check=bool(check))
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted: funcshard finishes every reduce-scatter inside backward; nothing waits for a last one."""
 
@@ -357,8 +369,6 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
-    timeout: float | None = None,
-    check: bool = False,
 ):
     """Shard ``module``'s parameters over ``mesh`` like ``torch.distributed.fsdp.fully_shard`` (same
     signature and semantics; apply bottom-up: blocks, then the root). A list of modules forms one unit.
@@ -368,10 +378,9 @@ def fully_shard(
     Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
     ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
     means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
-    ``k`` ranks until backward. ``timeout`` / ``check`` (funcshard's, not FSDP2's): ``funcshard.plan``'s, for the
-    whole model (the shortest timeout any call gives; check mode if any call asks). Not built (NotImplementedError):
-    CPU offload, ``dp_mesh_dims`` and DTensor (tensor-parallel) parameters. Returns ``module``, its class now
-    ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
+    ``k`` ranks until backward. funcshard's own ``set_timeout`` / ``set_check_mode`` (not FSDP2's). Not built
+    (NotImplementedError): CPU offload, ``dp_mesh_dims`` and DTensor (tensor-parallel) parameters. Returns ``module``,
+    its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -384,7 +393,6 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_fsdp_mesh()
     _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
-    check_timeout(timeout, "fully_shard")
     device = device_of(mesh)
     check_mesh(mesh)
     axes = dp_axes(mesh)  # (1-D: shard over it; 2-D: (replicate, shard), HSDP)
@@ -411,7 +419,6 @@ def fully_shard(
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
     unit.mp_policy = mp_policy
-    unit.timeout, unit.check = timeout, bool(check)
     for (_, p), r in zip(params, records):
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)

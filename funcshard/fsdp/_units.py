@@ -44,7 +44,7 @@ class _Unit:
         self.all_reduce = True  # HSDP: all-reduce after the reduce-scatter (False: keep the sums in `partial`)
         self.partial: dict = {}  # HSDP sums reduce-scattered without all-reduce, by dtype, until the next all-reduce
         self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: run on the reduced output before the cast back
-        self.timeout, self.check = None, False  # fully_shard(timeout=, check=): the plan's (the shortest, any check)
+        self.timeout, self.check = None, False  # set_timeout / set_check_mode: the plan's (the shortest, any check)
 
     def name(self) -> str:
         names = [cls_name(m) for m in self.modules]
