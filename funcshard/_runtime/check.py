@@ -12,9 +12,8 @@ group's store; at the start of the step's backward (its first backward hook, bef
 reads every rank's. The exchange is out of band, through the c10d store rather than a collective of the process
 group: it never pairs with a data collective (a rank that diverged cannot make it hang or corrupt it), the plan's
 printed collective order stays the whole truth (``_schedule``, checked at c10d dispatch by the tests), and on CUDA it
-needs no device-to-host copy. Cost: two store round trips per step (a post, then one read, by which time the other
-ranks have posted); keys are reused (four slots per rank and process group, the step's number in the value), so the
-store does not grow. Every rank reads every rank's post, so every rank raises the same ``DivergenceError``, naming
+needs no device-to-host copy. Cost: three store round trips per step (a post, one read, by which time the other
+ranks have posted, and a count of the readers: the last deletes the exchange's keys, so the store does not grow). Every rank reads every rank's post, so every rank raises the same ``DivergenceError``, naming
 the first differing parameter or group and the ranks on each side, before any mismatched reduce-scatter runs. HSDP:
 the same exchange over the replicate group. The fake process group (no peers) is not checked.
 
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
     from funcshard._runtime.step import Step
 
 _BITS = 62  # bits per packed word
-_SLOTS = 4  # store keys per rank, exchange and process group (reused in turn)
 _SEQ: dict[tuple[str, str], int] = {}  # (exchange, process group name) -> exchanges so far (the same on every rank)
 _PEERS: dict[int, tuple] = {}  # id(process group) -> (group, its store, world, rank, global ranks); None: fake group
 _DAY = 86400.0
@@ -84,31 +82,33 @@ def _post(kind: str, peers, value: str) -> int:
     pg, store, world, rank, _ = peers
     k = (kind, str(getattr(pg, "group_name", id(pg))))
     seq = _SEQ[k] = _SEQ.get(k, 0) + 1
-    store.set(f"funcshard/{kind}/{seq % _SLOTS}/{rank}", f"{seq} {value}")
+    store.set(f"funcshard/{kind}/{seq}/{rank}", f"{seq} {value}")
     return seq
 
 
 def _read(kind: str, peers, seq: int, seconds: float | None, doing: str) -> list[str]:
     """Every rank's value of exchange ``seq`` (bounded by ``seconds``; a rank that does not post in time: a
-    CollectiveTimeout naming it, and the group is marked broken). A slot is overwritten ``_SLOTS`` exchanges later:
-    by then every rank has read it (a rank's backward, which reads its step's post, pairs its reduce-scatters with
-    every other rank's before any rank's next forward posts again)."""
+    CollectiveTimeout naming it, and the group is marked broken). Each exchange has its own keys (several forwards
+    may post before the first of their backwards reads: gradient accumulation, a grouped unit's member run per
+    chunk); the last rank to read an exchange deletes its keys, so the store holds only exchanges some rank has yet
+    to read."""
     pg, store, world, _, ranks = peers
-    keys = [f"funcshard/{kind}/{seq % _SLOTS}/{r}" for r in range(world)]
+    keys = [f"funcshard/{kind}/{seq}/{r}" for r in range(world)]
     deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
     delay = 1e-3  # (a late rank: polled with backoff, up to 10 reads a second, so waiting ranks spare the store)
     while True:
         left = deadline - time.monotonic()
         try:
-            if seq <= _SLOTS:  # (the slots may not exist yet)
-                store.wait(keys, timedelta(seconds=max(left, 0.001)))
+            store.wait(keys, timedelta(seconds=max(min(left, 1.0), 0.001)))
             got = [v.decode().split(" ", 1) for v in store.multi_get(keys)]
         except (RuntimeError, dist.DistError):
             got = None
-        late = ([ranks[r] for r, k in enumerate(keys) if not store.check([k])] if got is None else
-                [ranks[r] for r, (n, _) in enumerate(got) if int(n) != seq])
-        if not late:
+        if got is not None:
+            if store.add(f"funcshard/{kind}/{seq}/read", 1) == world:  # the last reader clears the exchange
+                for k in (*keys, f"funcshard/{kind}/{seq}/read"):
+                    store.delete_key(k)
             return [v for _, v in got]
+        late = [ranks[r] for r, k in enumerate(keys) if not store.check([k])]
         if time.monotonic() >= deadline:
             mark_broken(pg, f"ranks {late} did not reach {doing}")
             raise CollectiveTimeout(
