@@ -9,7 +9,14 @@
 
 from funcshard import checkpoint, cost, optim, trace
 from funcshard._apply import apply
-from funcshard._collectives import all_gather, all_reduce, reduce_scatter
+from funcshard._collectives import (
+    CollectiveError,
+    CollectiveTimeout,
+    DivergenceError,
+    all_gather,
+    all_reduce,
+    reduce_scatter,
+)
 from funcshard._grad import value_and_grad
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard
@@ -28,6 +35,9 @@ from funcshard.fsdp import (
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "DivergenceError",
     "DataParallelMeshDims",
     "FSDPModule",
     "Group",

@@ -9,12 +9,27 @@ Asynchrony: every collective is issued with ``async_op=True`` and its work handl
 result is read. On CUDA with NCCL the collective runs on the process group's own communication stream and
 ``Work.wait()`` makes the consuming stream wait on it (an event fence, the CPU does not block); on CPU with
 gloo, the collective runs on gloo's threads while Python continues, and ``wait()`` blocks.
+
+Bounded waits: every wait of the runtime goes through ``wait_work`` (the one owner). On a process group whose waits
+block the CPU (gloo) it waits at most the plan's timeout (``Work.wait(timeout=...)``, c10d's own mechanism; gloo's
+reduce-scatter ignores that timeout, so its wait runs in a helper thread, ``_Waiter``), then raises a
+``CollectiveTimeout`` naming the collective, its group and the step's phase; a collective that fails (a peer that
+died: gloo's "Connection reset by peer") raises a ``CollectiveError``. Either way the process group is marked broken
+(``broken``): a collective of it may still be pending in gloo's threads, tags no longer pair up, so every later wait
+on it raises at once (no second timeout) and nothing frees a buffer such a collective may still write. On NCCL
+``wait()`` is a stream fence (the CPU does not wait; a bounded wait would block it), so there the bound is the process
+group's own timeout, enforced by NCCL's watchdog (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
+import threading
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,9 +50,9 @@ from funcshard._compat import (
 from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import bucket_sizes
-from funcshard._spec import ShardSpec
+from funcshard._spec import ShardingError, ShardSpec
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollectiveError", "CollectiveTimeout", "DivergenceError"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases (the names: _compat). Looked up on
 # every call, so that tools which wrap torch.distributed's functions (collective counters, tracers) see ours.
@@ -51,6 +66,220 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     return getattr(dist, _RS_NAME)(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+# ---- bounded waits: the one owner of every wait of the runtime ---------------------------------
+
+
+class CollectiveError(ShardingError, RuntimeError):
+    """A collective of a step failed (a peer died) or timed out (``CollectiveTimeout``), or the ranks were found to
+    disagree (``DivergenceError``). The message names the collective, the group, the phase of the step and the fix;
+    after one, the process group is broken: ``funcshard`` refuses further collectives on it."""
+
+    def __init__(self, message: str, *, repeat: bool = False):
+        super().__init__(message)
+        self.repeat = repeat  # raised again for a process group an earlier failure broke (cleanup may ignore it)
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within the plan's ``timeout`` (a rank died, stalled, or ran another
+    collective: a forward that skipped a group, another number of microbatches)."""
+
+
+class DivergenceError(CollectiveError):
+    """The ranks disagree on what the step does (which parameters take gradients; in check mode, the sequence of
+    collectives): found before the mismatched collective runs, raised on every rank."""
+
+
+DEFAULT_TIMEOUT = 300.0  # s: torchtitan's bound for the first steps (compilation, warm-up), 1/6 of gloo's 30 min
+TIMEOUT_ENV = "FUNCSHARD_TIMEOUT"  # seconds; overrides the default (0 or "none": unbounded, the group's own)
+
+
+def resolve_timeout(timeout: float | None) -> float | None:
+    """A plan's ``timeout`` in seconds (None: the ``FUNCSHARD_TIMEOUT`` environment variable, else
+    ``DEFAULT_TIMEOUT``); None: unbounded (0, inf, or the variable set to 0 or "none")."""
+    if timeout is None:
+        env = os.environ.get(TIMEOUT_ENV, "").strip().lower()
+        if not env:
+            return DEFAULT_TIMEOUT
+        if env in ("none", "inf", "0", "0.0"):
+            return None
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ShardingError(f"{TIMEOUT_ENV}={env!r} is not a number of seconds; set it to e.g. 120, or to "
+                                f"none for no bound") from None
+    return None if timeout == 0 or timeout == float("inf") else float(timeout)
+
+
+def check_timeout(timeout: Any, where: str) -> None:
+    """A ``timeout`` given to ``plan`` or ``fully_shard``: None or seconds > 0 (0 or inf: unbounded)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, timedelta):
+        raise ShardingError(f"{where}: timeout={timeout!r}; give seconds as a number, e.g. "
+                            f"timeout={timeout.total_seconds():g}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
+        raise ShardingError(f"{where}: timeout={timeout!r} is not a number of seconds >= 0; pass e.g. timeout=120 "
+                            f"(0 or float('inf'): no bound of funcshard's own, the process group's timeout applies)")
+
+
+class Bound:
+    """A step's bound on its waits over one process group: the timeout (None: unbounded, or a stream fence on NCCL)
+    and the plan's description for messages."""
+
+    __slots__ = ("pg", "timeout", "seconds", "plan")
+
+    def __init__(self, pg, seconds: float | None, plan: str):
+        self.pg, self.seconds, self.plan = pg, seconds, plan
+        host = pg is not None and _host_waits(pg)
+        self.timeout = timedelta(seconds=seconds) if seconds is not None and host else None
+
+
+class Where(NamedTuple):
+    """What a wait is for: the collective's kind, the plan's group, the step's phase, and the bound."""
+    kind: str
+    group: str
+    phase: str
+    bound: Bound
+    pg: Any = None  # (None: the bound's process group)
+
+
+_HOST: dict[int, bool] = {}
+_BROKEN: dict[int, tuple[Any, str]] = {}  # id(process group) -> (the group, kept alive; what broke it)
+
+
+def _host_waits(pg) -> bool:
+    """Whether ``Work.wait()`` blocks the CPU on this process group (gloo), not a stream fence (NCCL), and there are
+    peers to wait for (not the fake group: its works never complete, its waits return at once)."""
+    hit = _HOST.get(id(pg))
+    if hit is None:
+        try:
+            name = dist.get_backend(pg)
+        except (RuntimeError, ValueError):
+            name = "gloo"
+        hit = _HOST[id(pg)] = str(name) not in ("nccl", "xccl", "fake")
+    return hit
+
+
+def broken(pg) -> str | None:
+    """What broke the process group (a collective of it failed or timed out), or None."""
+    hit = _BROKEN.get(id(pg))
+    return None if hit is None or hit[0] is not pg else hit[1]
+
+
+def pg_desc(pg) -> str:
+    """The process group as messages name it: its name and ranks."""
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except (RuntimeError, ValueError):
+        ranks = "?"
+    return f"process group {getattr(pg, 'group_name', '?')!r} (ranks {ranks})"
+
+
+def describe(where: Where) -> str:
+    return f"the {where.kind} of group {_label(where.group)} ({where.phase})"
+
+
+def _label(name: str) -> str:
+    return "'' (the root group)" if name == "" else repr(name)
+
+
+_FIX = ("Make every rank run the same groups in the same order (no data-dependent skipping of a group, the same "
+        "number of microbatches and forwards), and find the rank that failed first in its own log. The process group "
+        "can no longer be trusted ({why}): end the job and restart it (torchrun restarts it from the last checkpoint), "
+        "or destroy it and make a new one with a new mesh, plan and state. Raise the bound with plan(..., timeout=s), "
+        "model.set_timeout(s) (fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is legitimately that slow.")
+
+
+def wait_work(work, where: Where | None) -> None:
+    """Wait for ``work`` (the one place the runtime waits), bounded by ``where.bound``; a failure or timeout raises
+    a CollectiveError naming ``where`` and marks the process group broken."""
+    if work is None:
+        return
+    if where is None:
+        work.wait()
+        return
+    pg = where.pg if where.pg is not None else where.bound.pg
+    if (cause := broken(pg)) is not None:
+        raise CollectiveError(f"funcshard: {describe(where)} was not waited for: {pg_desc(pg)} is broken by an "
+                              f"earlier failure ({cause})", repeat=True)
+    bound = where.bound
+    try:
+        if bound.timeout is None or pg is not bound.pg and not _host_waits(pg) or work.is_completed():
+            work.wait()
+        elif where.kind == "reduce-scatter":  # gloo's reduce-scatter work ignores wait's timeout
+            if not _Waiter.wait(work, bound.seconds):
+                raise collective_failed(where, pg, None, True)
+        else:
+            work.wait(timeout=bound.timeout)
+    except RuntimeError as e:
+        if isinstance(e, CollectiveError):
+            raise
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        raise collective_failed(where, pg, e, timed_out) from e
+
+
+class _Waiter:
+    """A thread that waits for works whose own ``wait(timeout)`` ignores the timeout (gloo's reduce-scatter runs
+    inside its ``wait``); the caller waits for the thread, bounded. A thread left waiting for a collective that timed
+    out is retired (it ends when gloo gives up) and a new one serves later waits."""
+
+    current: _Waiter | None = None
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.retired = False
+        threading.Thread(target=self._run, name="funcshard-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.retired:
+            work, done, box = self.queue.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
+                box.append(e)
+            work = None  # (not held while the thread waits for the next: a work keeps its tensors alive)
+            done.set()
+
+    @classmethod
+    def wait(cls, work, seconds: float) -> bool:
+        """Wait for ``work`` at most ``seconds``; False if it did not complete (its exception, if any, raised)."""
+        me = cls.current
+        if me is None:
+            me = cls.current = _Waiter()
+        done, box = threading.Event(), []
+        me.queue.put((work, done, box))
+        if not done.wait(seconds):
+            me.retired, cls.current = True, None
+            return False
+        if box:
+            raise box[0]
+        return True
+
+
+def collective_failed(where: Where, pg, error: BaseException | None, timed_out: bool,
+                      detail: str = "") -> CollectiveError:
+    """The error for a collective that failed or timed out; marks its process group broken."""
+    what = describe(where)
+    if timed_out:
+        head = (f"funcshard: {what} did not complete within {where.bound.seconds:g} s on {pg_desc(pg)} (plan: "
+                f"{where.bound.plan}){detail}: a rank died, stalled, or is waiting in another collective (a forward "
+                f"that skipped a group on some ranks, another number of microbatches or forwards, a rank that "
+                f"raised).")
+        why = "its collective is still pending in the backend"
+    else:
+        head = (f"funcshard: {what} failed on {pg_desc(pg)} (plan: {where.bound.plan}){detail}: "
+                f"{str(error).strip().splitlines()[-1] if error is not None else 'unknown'}. A peer rank died or "
+                f"ran a different collective.")
+        why = "a collective of it failed"
+    _BROKEN[id(pg)] = (pg, f"{what} {'timed out' if timed_out else 'failed'}")
+    cls = CollectiveTimeout if timed_out else CollectiveError
+    return cls(head + " " + _FIX.format(why=why))
+
+
+def mark_broken(pg, cause: str) -> None:
+    _BROKEN[id(pg)] = (pg, cause)
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -143,7 +372,7 @@ def _ag(x: torch.Tensor, group) -> torch.Tensor:
     w = dist.get_world_size(group)
     x = x.contiguous()
     out = x.new_empty((w * x.shape[0], *x.shape[1:]))
-    all_gather_into(out, x, group).wait()
+    wait_work(all_gather_into(out, x, group), None)
     return out
 
 
@@ -155,13 +384,13 @@ def _rs(x: torch.Tensor, group) -> torch.Tensor:
         )
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
-    reduce_scatter_into(out, x, group).wait()
+    wait_work(reduce_scatter_into(out, x, group), None)
     return out
 
 
 def _ar(x: torch.Tensor, group) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
+    wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True), None)
     return out
 
 
@@ -368,21 +597,19 @@ class PendingGather:
     (``Buckets.copy_targets``; allocated by the caller only then, so a prefetched group holds just its
     all-gather buffer). In the flat layout the all-gather output is already the parameters: nothing to copy."""
 
-    def __init__(self, layout: Buckets, outs, works):
-        self.layout, self.outs, self.works = layout, outs, works
+    def __init__(self, layout: Buckets, outs, works, where: Where | None = None):
+        self.layout, self.outs, self.works, self.where = layout, outs, works, where
 
     def finish(self, targets: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
         lay = self.layout
         if lay.flat:
             for work in self.works:
-                if work is not None:
-                    work.wait()
+                wait_work(work, self.where)
             self.outs = self.works = None
             return
         dsts, srcs = [], []
         for (dt, ix), out, work, dst in zip(lay.buckets, self.outs, self.works, targets):
-            if work is not None:
-                work.wait()
+            wait_work(work, self.where)
             if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
                 with no_grad():
                     torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1, out=dst)
@@ -400,10 +627,11 @@ class PendingGather:
 
 def start_gather(
     layout: Buckets, flat_shards: Sequence[Sequence[torch.Tensor]], group, rank: int,
-    outs: Sequence[torch.Tensor] | None = None,
+    outs: Sequence[torch.Tensor] | None = None, where: Where | None = None,
 ) -> PendingGather:
     """Copy the group's local shards (``Buckets.flat_shards``) into one flat buffer per dtype (one copy each)
-    and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into."""
+    and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into. ``where``: what
+    ``finish`` names and bounds its waits by (``wait_work``)."""
     works, bufs = [], []
     with no_grad():
         for k, (dt, ix) in enumerate(layout.buckets):
@@ -417,7 +645,7 @@ def start_gather(
                 inp.narrow(0, valid, n - valid).zero_()
             bufs.append(out)
             works.append(all_gather_into(out, inp, group) if layout.world > 1 else None)  # (1 rank: no collective)
-    return PendingGather(layout, bufs, works)
+    return PendingGather(layout, bufs, works, where)
 
 
 def bucket_buffers(layout: Buckets, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -439,13 +667,13 @@ class PendingRegather:
     """All-gathers in flight over a block of ``k`` ranks, from the post-forward shards; ``finish(bases)`` waits and
     copies out into the unsharded buffers (each the ``k`` slices ``post_forward_shards`` cut, rank-major)."""
 
-    def __init__(self, layout: Buckets, k: int, outs, works):
-        self.layout, self.k, self.outs, self.works = layout, k, outs, works
+    def __init__(self, layout: Buckets, k: int, outs, works, where: Where | None = None):
+        self.layout, self.k, self.outs, self.works, self.where = layout, k, outs, works, where
 
     def finish(self, bases: Sequence[torch.Tensor]) -> None:
         k = self.k
         for ts, out, work in zip(bucket_buffers(self.layout, bases), self.outs, self.works):
-            work.wait()
+            wait_work(work, self.where)
             with no_grad():
                 torch.split_with_sizes_copy(out.view(k, -1), [t.numel() // k for t in ts], dim=1,
                                             out=[t.view(k, -1) for t in ts])
@@ -453,7 +681,8 @@ class PendingRegather:
         self.outs = self.works = None
 
 
-def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: int, k: int) -> PendingRegather:
+def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: int, k: int,
+                   where: Where | None = None) -> PendingRegather:
     """Issue the all-gathers (async) of a group's post-forward shards over its block of ``k`` ranks."""
     outs, works = [], []
     with no_grad():
@@ -463,7 +692,7 @@ def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: i
             inp.copy_(p)
             outs.append(out)
             works.append(all_gather_into(out, inp, group))
-    return PendingRegather(layout, k, outs, works)
+    return PendingRegather(layout, k, outs, works, where)
 
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
@@ -516,8 +745,8 @@ class PendingReduce:
     """A group's reduce-scatters in flight; ``finish(divide)`` waits, frees the inputs, all-reduces over the replicate
     group (HSDP) and returns the local gradient shards."""
 
-    def __init__(self, layout: Buckets, pending: list, replicate=None):
-        self.layout, self.pending, self.replicate = layout, pending, replicate
+    def __init__(self, layout: Buckets, pending: list, replicate=None, where: Where | None = None):
+        self.layout, self.pending, self.replicate, self.where = layout, pending, replicate, where
 
     def finish(self, divide: float, *, all_reduce: bool = True, partial: dict | None = None,
                hook=None) -> list[torch.Tensor] | None:
@@ -534,7 +763,7 @@ class PendingReduce:
         with no_grad():
             for dt, ix, inp, out, work, before in pending:
                 if work is not None:
-                    work.wait()
+                    wait_work(work, self.where)  # (raises: nothing freed, the backend may still read the input)
                     free_buffers([inp])
                 if partial is not None and (acc := partial.pop(dt, None)) is not None:
                     out.add_(acc)
@@ -549,7 +778,7 @@ class PendingReduce:
                 return None
             for dt, ix, out, ar, before in reduced:
                 if ar is not None:
-                    ar.wait()
+                    wait_work(ar, self.where and self.where._replace(kind="all-reduce (HSDP)", pg=self.replicate))
                 after = divide / before  # (fp32, bf16: all of it; see _policy.divide_factors)
                 if hook is not None and before != 1.0:
                     hook(out)
@@ -571,7 +800,7 @@ class PendingReduce:
 
 def start_reduce_scatter(
     layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device, divide: float = 1.0,
-    replicate=None,
+    replicate=None, where: Where | None = None,
 ) -> PendingReduce:
     """Copy a group's full gradients into one reduce-scatter input per dtype (cast to the reduce dtype by the copy)
     and issue the reduce-scatters (async; none over a single rank); consumes ``grads`` (see
@@ -631,4 +860,4 @@ def start_reduce_scatter(
                 continue
             out = torch.empty(n, dtype=rdt, device=device)
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group), before))
-    return PendingReduce(layout, pending, replicate)
+    return PendingReduce(layout, pending, replicate, where)

@@ -125,6 +125,9 @@ def op_is_mutable(func) -> bool:
     return func._schema.is_mutable
 
 
+process_group_store = require("torch.distributed.distributed_c10d._get_process_group_store")  # a group's store
+
+
 def fake_store():
     """The store of torch's fake process group (``backend="fake"``: collectives do nothing), for ``cost.fake_mesh``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -175,5 +178,6 @@ __all__ = [
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
     "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
-    "fake_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD", "dcp_bytes_write_items",
+    "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
+    "dcp_bytes_write_items",
 ]

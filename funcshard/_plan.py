@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from funcshard._collectives import check_timeout
 from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
 from funcshard._mesh import (
@@ -103,6 +104,10 @@ class Plan:
         grad_divide_factor: gradients are reduce-scattered with a sum (and all-reduced over the replicate axis), then
             divided by this factor, once. Default: the data-parallel size (the mesh size: replicate * shard), so
             gradients are those of the global mean loss.
+        timeout: seconds any one wait of a step may take before it raises ``CollectiveTimeout`` (None: the
+            ``FUNCSHARD_TIMEOUT`` environment variable, else 300; 0 or inf: no bound of funcshard's own).
+        check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
+            (``_runtime/check.py``); off by default (a store round trip per collective).
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -117,6 +122,8 @@ class Plan:
     grad_divide_factor: float | None = None
     layout: str = "per_param"
     replicate_axis: int | None = None
+    timeout: float | None = None
+    check: bool = False
     # what other modules derive from the plan (layouts, schedule, runtime facts): computed once per Plan object,
     # kept with it (a new, edited plan starts empty), so nothing outside holds a plan or its module alive
     _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -261,7 +268,9 @@ class Plan:
             f"{len(self.specs)} parameters in {len(self.groups)} groups; "
             f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
             f"gradients divided by {self.divide_factor:g} after reduce-scatter"
-            f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}",
+            f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}"
+            + (f"; timeout {self.timeout:g} s" if self.timeout is not None else "")
+            + ("; check mode" if self.check else ""),
         ]
         step = schedule(self)
         for g in self.groups:
@@ -316,6 +325,8 @@ def plan(
     grad_divide_factor: float | None = None,
     layout: str = "per_param",
     mp_policy: Any = None,
+    timeout: float | None = None,
+    check: bool = False,
     dp_mesh_dims: Any = None,
     _spec_of: Callable[[str, nn.Parameter], ShardSpec] | None = None,
 ) -> Plan:
@@ -349,6 +360,11 @@ def plan(
             are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
         mp_policy: a ``MixedPrecisionPolicy`` for every group (``plan.with_group(name, mp_policy=...)`` for one):
             see :class:`Group`. Shards, gradients and optimizer state stay in the parameters' dtype.
+        timeout: seconds a step's collective may take before every waiting rank raises ``CollectiveTimeout``
+            naming it (a dead or diverged rank); None: ``FUNCSHARD_TIMEOUT``, else 300. See :class:`Plan`.
+        check: check mode (off by default): the ranks check that they run the same collectives in the same order
+            and raise ``DivergenceError`` naming the first that differs. Which parameters take gradients is always
+            checked.
         dp_mesh_dims: ``DataParallelMeshDims(shard=..., replicate=...)`` naming the data-parallel axes of ``mesh``,
             a full SPMD mesh whose other axes are the model's (torch 2.12+'s ``fully_shard`` argument): every
             parameter must then be a DTensor on ``mesh`` with ``Replicate()`` on those axes.
@@ -426,6 +442,8 @@ def plan(
         grad_divide_factor=grad_divide_factor,
         layout=layout,
         replicate_axis=axes.replicate,
+        timeout=timeout,
+        check=bool(check),
     )
     _check_schedule(result)
     return result
@@ -614,6 +632,7 @@ def _check_schedule(p: Plan) -> None:
     missing = set(p.specs) - set(seen)
     if missing:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
+    check_timeout(p.timeout, "plan")
     if p.grad_divide_factor is not None and not p.grad_divide_factor > 0:
         raise ShardingError(f"grad_divide_factor must be > 0, got {p.grad_divide_factor}")
 

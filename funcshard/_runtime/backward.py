@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._collectives import no_functorch, raw_grads, start_reduce_scatter
+from funcshard._collectives import CollectiveError, no_functorch, raw_grads, start_reduce_scatter
 from funcshard._compile import runtime_boundary
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
@@ -43,9 +43,11 @@ class ReduceQueue(Part):
         raw_grads(grads)
         step.frozen.grads_done(name)
         self.finish()
+        step.checks.agree()  # (done at the start of backward; a reduce-scatter outside one: here)
+        step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
         with no_functorch():
             pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
-                                           step.replicate_pg)
+                                           step.replicate_pg, step.where("reduce-scatter", name))
         if LISTENERS:
             emit("reduce-scatter issued", name, pending)
         return pending
@@ -61,8 +63,12 @@ class ReduceQueue(Part):
         if LISTENERS:
             emit("reduce-scatter wait", name, pending)
         options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
-        with no_functorch():
-            shards = pending.finish(factor, **options)
+        try:
+            with no_functorch():
+                shards = pending.finish(factor, **options)
+        except CollectiveError as e:
+            self.step.fail(e)
+            raise
         if LISTENERS:
             emit("reduce-scatter done", name, pending)
         return name, shards, sink, extra
@@ -80,8 +86,13 @@ class ReduceQueue(Part):
             self.finish()
 
     def drop(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left)."""
-        self._take()
+        """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left; one on a
+        process group an earlier failure broke is dropped without waiting)."""
+        try:
+            self._take()
+        except CollectiveError as e:
+            if not e.repeat:
+                raise
 
 
 class _Counts:
@@ -196,7 +207,7 @@ class Recompute(Part):
         unsharded parameters collect that backward's gradients."""
         step = self.step
         step.begin_backward()
-        step.groups[name].issue(step.pg, step.rank)  # (the forward reads them, whatever unshard_in_backward says)
+        step.issue(name)  # (the forward reads them, whatever unshard_in_backward says)
         step.wait(name)
         step.prefetcher.after(name, backward=True)
         step.swap_out(name)

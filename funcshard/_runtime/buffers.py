@@ -6,7 +6,8 @@ shards (``post``): its next gather runs over its block of ``k`` ranks from them 
 The buffers (``Buckets.new_buffers``: one padded tensor per parameter, or the flat layout's one per dtype) are
 allocated once per step and freed and refilled in place (``untyped_storage().resize_``), so that autograd's views
 of them stay valid across a reshard, under ``torch.func`` too. Owned invariant: nothing is freed while a collective
-may still write to it (``free`` waits for a gather in flight first).
+may still write to it (``free`` waits for a gather in flight first; a gather whose collective failed or timed out is
+dropped, never freed: the backend may still write to it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 from funcshard._collectives import (
     Buckets,
+    CollectiveError,
+    Where,
     PendingRegather,
     free_buffers,
     no_functorch,
@@ -42,7 +45,7 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post")
+                 "pending", "versions", "frozen", "trainable", "post", "grad_mask")
 
     def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
         self.group = group
@@ -53,6 +56,7 @@ class GroupBuffers:
         # group's reduce-scatter, so it is freed only once its inputs' gradients are complete too (FrozenRelease).
         self.frozen = not all(grad)
         self.trainable = any(grad)
+        self.grad_mask = tuple(grad)  # (the ranks check that they agree on it: _runtime.check)
         # the reduce-scatter's layout: the parameters that take a gradient (decided by the shards, as every rank
         # sees them; a trainable parameter without a gradient on this rank is sent as zeros, so the ranks agree)
         self.reduce_layout = layout.only(tuple(i for i, g in enumerate(grad) if g)) if self.frozen else layout
@@ -68,8 +72,9 @@ class GroupBuffers:
     def device(self) -> torch.device:
         return self.shards[0].device
 
-    def issue(self, pg, rank: int) -> None:
-        """Issue the group's all-gather (async) unless it is gathered or in flight."""
+    def issue(self, pg, rank: int, where: Where | None = None) -> None:
+        """Issue the group's all-gather (async) unless it is gathered or in flight. ``where``: what its wait names
+        and is bounded by (``_collectives.wait_work``)."""
         if self.status is not Status.SHARDED:
             return
         if not self.shards:  # e.g. a root group when every parameter is in a child group
@@ -78,7 +83,8 @@ class GroupBuffers:
         if self.post is not None:  # resharded to k ranks after forward: gather from them, over them
             (post, group, rank, k), self.post = self.post, None
             with no_functorch():
-                self.pending = start_regather(self.layout, post, group, rank, k)
+                self.pending = start_regather(self.layout, post, group, rank, k,
+                                              where and where._replace(kind="re-gather", pg=group))
             self.status = Status.GATHERING
             if LISTENERS:
                 emit("all-gather issued", self.group.name, self)
@@ -95,9 +101,9 @@ class GroupBuffers:
                 # Autograd may have saved views of these buffers: hide the refill from its version check. The
                 # collective may bump the version from its own thread until waited: restored in wait().
                 self.versions = preserve_versions(self.bases)
-                self.pending = start_gather(self.layout, flat, pg, rank, outs=self.bases)
+                self.pending = start_gather(self.layout, flat, pg, rank, outs=self.bases, where=where)
             else:
-                self.pending = start_gather(self.layout, flat, pg, rank)
+                self.pending = start_gather(self.layout, flat, pg, rank, where=where)
         self.status = Status.GATHERING
         if LISTENERS:
             emit("all-gather issued", self.group.name, self)
@@ -122,11 +128,15 @@ class GroupBuffers:
             if not self.layout.flat or regather:
                 self.allocate()
             targets = self.bases if regather else self.copy_to
-            if fresh:
-                self.pending.finish(targets)
-            else:  # refilling tensors autograd saved for backward: their version must not change
-                with preserve_versions(self.bases):
+            try:
+                if fresh:
                     self.pending.finish(targets)
+                else:  # refilling tensors autograd saved for backward: their version must not change
+                    with preserve_versions(self.bases):
+                        self.pending.finish(targets)
+            except CollectiveError:
+                self.drop()
+                raise
             if self.versions is not None:
                 self.versions.__exit__(None, None, None)
                 self.versions = None
@@ -135,13 +145,30 @@ class GroupBuffers:
         if LISTENERS:
             emit("gathered", self.group.name, self)
 
+    def drop(self) -> None:
+        """The gather failed or timed out: forget it without waiting or freeing. Its collective may still write into
+        its buffers (the flat layout's are the unsharded buffers: dropped too, left to the work holding them)."""
+        if self.versions is not None:
+            self.versions.__exit__(None, None, None)
+            self.versions = None
+        if self.layout.flat and not isinstance(self.pending, PendingRegather):
+            self.bases = self.copy_to = None
+        elif self.bases is not None:
+            free_buffers(self.bases)  # (per-parameter layout: the collective writes into its own buffers)
+        self.pending, self.status = None, Status.SHARDED
+
     def free(self) -> None:
         """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight. Drops
-        post-forward shards."""
+        post-forward shards. A gather on a process group an earlier failure broke is dropped (``drop``)."""
         self.post = None
         if self.status is Status.SHARDED:
             return
-        self.wait()  # never free memory a collective still writes to
+        try:
+            self.wait()  # never free memory a collective still writes to
+        except CollectiveError as e:
+            if not e.repeat:
+                raise
+            return  # (dropped)
         with no_functorch():
             free_buffers(self.bases)
         self.status = Status.SHARDED

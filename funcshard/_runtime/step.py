@@ -8,6 +8,13 @@
     backward.ReduceQueue    the reduce-scatter in flight and where its shards go
     backward.FrozenRelease  when a group with frozen parameters may be freed in backward
     backward.Recompute      activation-checkpoint recomputation inside backward
+    check.Checks            the ranks agree on which parameters take gradients (always), on the collectives (check mode)
+
+Failures: every wait is bounded by the plan's timeout (``_collectives.wait_work``); a collective that fails, times
+out, or a check that finds the ranks diverged raises a ``CollectiveError`` through ``Step.fail``, which puts the
+module's own parameters back and drops what is in flight without waiting for it (``_failing`` marks the methods that
+may raise one). ``apply`` is pure, so its state is untouched; ``fully_shard``'s parameters are its sharded DTensors
+again.
 
 The Step itself routes module hooks and autograd hooks to them; ``open_forward`` / ``close_forward`` wrap
 ``apply``'s call of the module.
@@ -17,13 +24,23 @@ The Step itself routes module hooks and autograd hooks to them; ``open_forward``
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from funcshard._collectives import no_functorch, raw_grads
+from funcshard._collectives import (
+    Bound,
+    CollectiveError,
+    Where,
+    broken,
+    no_functorch,
+    pg_desc,
+    raw_grads,
+    resolve_timeout,
+)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     TransformType,
@@ -33,11 +50,13 @@ from funcshard._compat import (
     queue_callback,
 )
 from funcshard._layout import layouts
+from funcshard._mesh import device_of
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating
 from funcshard._runtime.backward import FrozenRelease, Recompute, ReduceQueue, grad_inputs
 from funcshard._runtime.binding import Binding, ForwardTracker, NotGathered, presents, slots
 from funcshard._runtime.buffers import GroupBuffers, Status
+from funcshard._runtime.check import Checks
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
@@ -57,6 +76,26 @@ class _PlanFacts:
         self.members = {g.name: frozenset(id(plan.module.get_submodule(m)) for m in g.modules) for g in plan.groups}
         self.steps: weakref.WeakSet = weakref.WeakSet()  # apply's steps (a backward that raised is finished later)
         self.order_warned = False
+        self.seconds = resolve_timeout(plan.timeout)  # the bound on every wait (None: unbounded)
+        bound = "none" if self.seconds is None else f"{self.seconds:g} s"
+        self.desc = (f"{type(plan.module).__name__} in {len(plan.groups)} groups, timeout {bound}"
+                     f"{', check mode' if plan.check else ''}")
+        self.masks: dict = {}  # requires-grad masks -> their packed words (check.packed_mask)
+        self.device = device_of(plan.mesh)
+
+
+def _failing(method):
+    """A Step method that may raise a CollectiveError: the step fails first (``Step.fail``)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveError as e:
+            self.fail(e)
+            raise
+
+    return wrapper
 
 
 def _facts(plan: Plan) -> _PlanFacts:
@@ -76,10 +115,19 @@ class Step:
         self.plan = plan
         self.pg, self.rank = plan.shard_group()
         self.replicate_pg = plan.replicate_group()  # HSDP: gradients all-reduced over it after the reduce-scatter
+        for pg in (self.pg, self.replicate_pg):
+            if pg is not None and (cause := broken(pg)) is not None:
+                raise CollectiveError(
+                    f"funcshard: {pg_desc(pg)} cannot be used: {cause} in an earlier step, so its collectives may "
+                    f"still be pending and no longer pair up across ranks. Restart the job (or destroy the process "
+                    f"group and make a new one, with a new mesh, plan and state)", repeat=True)
         self.state = state
         self.sink = sink
         self.recompute_nested = recompute_nested
         facts = self.facts = _facts(plan)
+        self.bound = Bound(self.pg, facts.seconds, facts.desc)
+        self.device = facts.device
+        self.failed: CollectiveError | None = None
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state) for g in plan.groups}
         self.binding = Binding(facts.slots, facts.present)
@@ -96,25 +144,66 @@ class Step:
         self.done = False  # a backward of this step completed
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
+        self.checks = Checks(self)
 
     # ---- the group lifecycle (every gather and free goes through these) ----------------------------------------
     def unshard(self, name: str) -> None:
         """Issue the group's all-gather (async) unless it is gathered or in flight."""
         if self.backward_started and not self.groups[name].group.unshard_in_backward:
             return  # the user promised its backward reads no parameters (set_unshard_in_backward(False))
-        self.groups[name].issue(self.pg, self.rank)
+        self.issue(name)
 
+    def phase(self) -> str:
+        return "backward" if self.backward_started else "forward"
+
+    def where(self, kind: str, name: str) -> Where:
+        """What a collective's wait names and is bounded by."""
+        return Where(kind, name, self.phase(), self.bound)
+
+    @_failing
+    def issue(self, name: str) -> None:
+        """Issue the group's all-gather (async) unless it is gathered or in flight (whatever unshard_in_backward
+        says). Check mode: the ranks agree on it first."""
+        gb = self.groups[name]
+        if gb.status is not Status.SHARDED:
+            return
+        if gb.shards and self.checks.sequence:
+            kind = "re-gather" if gb.post is not None else "all-gather"
+            self.checks.collective(f"{kind} of group {name!r} ({self.phase()})")
+        gb.issue(self.pg, self.rank, self.where("all-gather", name))
+
+    def fail(self, error: CollectiveError) -> None:
+        """A collective of this step failed or timed out, or the ranks diverged: put the module's own parameters back,
+        free what is gathered, drop what is in flight without waiting (its buffers stay with the backend's work)."""
+        if self.failed is not None:
+            return
+        self.failed = error
+        self.reduce_queue.item = None
+        self.checks.pending = None
+        self.in_forward = False
+        for name, gb in self.groups.items():
+            self.binding.swap_out(name)
+            if gb.status is Status.GATHERING:
+                gb.drop()
+            else:
+                gb.free()
+            gb.post = None
+            self.nodes.loosen(name)
+
+    @_failing
     def wait(self, name: str) -> None:
         gb = self.groups[name]
         if gb.status is Status.SHARDED:
             self.unshard(name)
         gb.wait()
 
+    @_failing
     def reshard(self, name: str) -> None:
         """Free the group's unsharded parameters (the module never keeps views of freed storage)."""
         self.binding.swap_out(name)
         self.groups[name].free()
 
+    @_failing
     def reshard_after_forward(self, name: str) -> None:
         """Free the group after forward if its plan says so, or keep it sharded over fewer ranks (an int
         ``reshard_after_forward``: its next gather runs within that block)."""
@@ -270,9 +359,12 @@ class Step:
         self.reshard_after_forward(name)
         return self.wrap_for_backward(name, output)
 
+    @_failing
     def end_forward(self) -> None:
         """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
         self.in_forward = False
+        self.checks.collective("end of forward")
+        self.checks.post()
         for name in self.tracker.unfinished():
             self.swap_out(name)
             self.reshard_after_forward(name)
@@ -314,11 +406,13 @@ class Step:
         return output
 
     # ---- backward -----------------------------------------------------------------------------------------------
+    @_failing
     def begin_backward(self) -> None:
         task = _graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
             self.backward_started, self.backward_task = True, task
             queue_callback(self.end_of_backward)
+            self.checks.agree()  # (before any collective of the backward: see _runtime.check)
 
     def recomputing(self) -> bool:
         """Inside this step's running backward (a backward that raised half-way leaves backward_started set; a
@@ -346,6 +440,7 @@ class Step:
     def divide_factor(self, name: str) -> float:
         return self.plan.divide_factor_of(self.groups[name].group)
 
+    @_failing
     def post_backward(self, name: str, grads: list) -> list:
         """The group's gradients are complete: free it, then reduce-scatter them (consumes ``grads``; FSDP2's order,
         so the unsharded parameters are gone before the reduce-scatter's buffers are allocated). Returns the
@@ -363,6 +458,7 @@ class Step:
             emit("reduce-scatter done", name, pending)
         return shards
 
+    @_failing
     def reduce_later(self, name: str, grads: list, sink: Any) -> None:
         """``post_backward`` whose reduce-scatter is taken later: in the next group's post-backward or at the end of
         backward, so it runs while that group's backward computes; its shards go to ``sink``."""
@@ -375,8 +471,16 @@ class Step:
         self.reduce_queue.defer(name, pending, self.divide_factor(name), sink, extra)
 
     @runtime_boundary  # (autograd's end-of-backward callback, under torch.compile too)
-    def end_of_backward(self) -> None:
+    @_failing
+    def end_of_backward(self, cleanup: bool = False) -> None:
+        """``cleanup``: a backward that raised half-way, finished by a later step (no checks: the ranks may not all
+        be here)."""
+        if cleanup:
+            self.reduce_queue.drop()
         self.reduce_queue.finish()  # (apply: its shards are dropped when nobody asked for them in this backward)
+        if not cleanup and self.failed is None:
+            self.checks.agree()  # (no backward hook ran: the check still runs)
+            self.checks.collective("end of backward")
         for name in self.groups:
             self.free_after_backward(name)
             self.swap_out(name)
@@ -407,7 +511,7 @@ class Step:
         if _graph_task_id() == -1:  # not a recomputation inside some backward
             for old in list(facts.steps):
                 if old.backward_started:  # its backward raised half-way: finish it (free, unhook) now
-                    old.end_of_backward()
+                    old.end_of_backward(cleanup=True)
                     old.relay.drop()  # and what its relays did not hand on
         facts.steps.add(self)
         self.no_backward = not torch.is_grad_enabled()  # then the hooks go when the forward ends

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from funcshard._collectives import check_timeout
 from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
@@ -297,6 +298,18 @@ class FSDPModule:
         """All-gather these modules' parameters when this module's backward starts."""
         self._set_prefetch("backward", modules)
 
+    def set_timeout(self, timeout: float | None, *, recurse: bool = True) -> None:
+        """funcshard's (not FSDP2's): seconds a collective of a step may take before every waiting rank raises
+        ``CollectiveTimeout`` (``funcshard.plan(timeout=)``; None: ``FUNCSHARD_TIMEOUT``, else 300). The model's
+        steps use the shortest timeout set on any of its modules."""
+        check_timeout(timeout, "set_timeout")
+        self._set(recurse, timeout=timeout)
+
+    def set_check_mode(self, check: bool, *, recurse: bool = True) -> None:
+        """funcshard's (not FSDP2's): check mode (``funcshard.plan(check=)``): the ranks check that they run the same
+        collectives in the same order; on for the model if set on any of its modules."""
+        self._set(recurse, check=bool(check))
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted: funcshard finishes every reduce-scatter inside backward; nothing waits for a last one."""
 
@@ -369,7 +382,8 @@ def fully_shard(
     Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
     ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
     means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
-    ``k`` ranks until backward (also with tensor parallel, where FSDP2 refuses it).
+    ``k`` ranks until backward (also with tensor parallel, where FSDP2 refuses it). funcshard's own ``set_timeout`` /
+    ``set_check_mode`` (not FSDP2's).
 
     FSDP over tensor parallel (FSDP2's two forms): DTensor parameters on ``mesh['tp']`` of the mesh ``mesh`` was
     sliced from (``parallelize_module`` first, then ``fully_shard(block, mesh=mesh['dp'])``), or, with

@@ -44,6 +44,7 @@ class _Unit:
         self.all_reduce = True  # HSDP: all-reduce after the reduce-scatter (False: keep the sums in `partial`)
         self.partial: dict = {}  # HSDP sums reduce-scattered without all-reduce, by dtype, until the next all-reduce
         self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: run on the reduced output before the cast back
+        self.timeout, self.check = None, False  # set_timeout / set_check_mode: the plan's (the shortest, any check)
 
     def name(self) -> str:
         names = [cls_name(m) for m in self.modules]
@@ -134,8 +135,10 @@ class _Context:
         """The base plan edited by the units' settings (derived again after a setting changed)."""
         if self._plan is None:
             groups = tuple(self._edited(g) for g in self.base.groups)
+            given = [u.timeout for u in self.units if u.timeout is not None]
             self._plan = self.base.replace(groups=groups, forward_prefetch_lists=self._lists("forward"),
-                                           backward_prefetch_lists=self._lists("backward"))
+                                           backward_prefetch_lists=self._lists("backward"),
+                                           timeout=min(given, default=None), check=any(u.check for u in self.units))
             self._ordered = {}
         if not self.order:
             return self._plan

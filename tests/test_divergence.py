@@ -1,0 +1,262 @@
+"""Ranks that diverge fail fast and clearly (issue 21): every divergence scenario ends within the plan's timeout, on
+every rank that can know, with an error naming the group, the collective or parameter, the ranks and the fix; a
+failed step leaves state and module parameters as they were.
+
+Each scenario runs on a process group of its own (``dist.new_group``, gloo timeout ``GLOO_S``, longer than the tests'
+bound): a timed-out collective leaves it broken (its gloo threads still wait), never the worker pool's default group,
+which ``multirank``'s health check uses after each job. A hang would end as the harness's ``RankTimeout`` (``JOB_S``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import funcshard
+from funcshard import CollectiveError, CollectiveTimeout, DivergenceError
+from multirank import RankError, run_ranks
+
+TIMEOUT = 2.0  # s: the plans' bound in these tests
+GLOO_S = 30  # s: the scenario group's own gloo timeout (not what ends the scenario)
+JOB_S = 25.0  # s: a scenario that hangs fails as a RankTimeout
+
+
+class _Net(nn.Module):
+    """An input layer and four equal blocks (equal sizes: mismatched collectives pair silently, the hard case)."""
+
+    def __init__(self, n=4, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(n))
+        self.skip: set[int] = set()
+        self.fail_at: int | None = None
+        self.die_at: int | None = None
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if i == self.die_at:
+                os._exit(3)
+            if i == self.fail_at:
+                raise ValueError("a rank's own error in forward")
+            if i not in self.skip:
+                x = x + b(x)
+        return x.square().mean()
+
+
+def _fresh_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pg = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=GLOO_S))
+    return DeviceMesh.from_group(pg, "cpu")
+
+
+def _setup(scenario: str, rank: int, model: _Net) -> dict:
+    """What this rank does differently: frozen parameters, skipped blocks, microbatches, a failure."""
+    mb = 2
+    if rank == 1:
+        if scenario == "skip":
+            model.skip = {2}
+        elif scenario == "microbatches":
+            mb = 1
+        elif scenario == "raise":
+            model.fail_at = 2
+        elif scenario == "killed":
+            model.die_at = 2
+    frozen = {"frozen_equal": ["blocks.1.0.weight" if rank == 0 else "blocks.2.0.weight"],
+              "frozen_unequal": ["blocks.1.0.bias"] if rank == 1 else []}.get(scenario, [])
+    return {"mb": mb, "frozen": frozen}
+
+
+def _scenario(path: str, scenario: str, check: bool = False):
+    """One rank's run of a divergence scenario: 2 steps (microbatches), the second where they diverge... Returns
+    (error type, message, whether the state / parameters are as before)."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    mesh = _fresh_mesh()
+    model = _Net()
+    how = _setup(scenario, rank, model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if path == "apply":
+        plan = funcshard.plan(model, mesh, groups=(nn.Sequential,), timeout=TIMEOUT, check=check)
+        state = funcshard.shard(plan)
+        train = {k: v for k, v in state.items() if k not in how["frozen"]}
+        frozen = {k: v for k, v in state.items() if k in how["frozen"]}
+        before = {k: v.clone() for k, v in state.items()}
+        step = funcshard.value_and_grad(lambda t, f: funcshard.apply(plan, {**t, **f}, x))
+        try:
+            for _ in range(1 + how["mb"]):  # one agreed step, then the microbatches
+                step(train, frozen)
+            result = ("ok", "")
+        except Exception as e:  # noqa: BLE001 (the scenario's outcome is the result)
+            result = (type(e).__name__, str(e))
+        intact = all(torch.equal(before[k], v) for k, v in state.items())
+        return (*result, intact)
+    from torch.distributed.tensor import DTensor
+
+    for b in model.blocks:
+        funcshard.fully_shard(b, mesh=mesh)
+    funcshard.fully_shard(model, mesh=mesh)
+    model.set_timeout(TIMEOUT)
+    model.set_check_mode(check)
+    for name in how["frozen"]:
+        model.get_parameter(name).requires_grad_(False)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:
+        for i in range(1 + how["mb"]):
+            model.set_requires_gradient_sync(i == how["mb"])  # FSDP2's microbatches: sync on the last one
+            model(x).backward()
+        result = ("ok", "")
+    except Exception as e:  # noqa: BLE001
+        result = (type(e).__name__, str(e))
+    intact = all(isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    return (*result, intact)
+
+
+_TRUST = (r"The process group can no longer be trusted \(its collective is still pending in the backend\): end the job "
+          r"and restart it")
+
+
+@pytest.mark.parametrize("path", ["apply", "fully_shard"])
+@pytest.mark.parametrize("scenario, rank0, rank1", [
+    ("frozen_equal", r"DivergenceError: funcshard: the ranks disagree on which parameters take gradients "
+                     r"\(requires_grad\) on process group .*: parameter 'blocks.1.0.weight' of group 'blocks.1' takes "
+                     r"a gradient on ranks \[1\] and not on ranks \[0\] \(2 parameter\(s\) differ\).*Fix: freeze the "
+                     r"same parameters on every rank", "same"),
+    ("frozen_unequal", r"DivergenceError: .*parameter 'blocks.1.0.bias' of group 'blocks.1' takes a gradient on ranks "
+                       r"\[0\] and not on ranks \[1\] \(1 parameter\(s\) differ\)", "same"),
+    ("skip", r"DivergenceError: funcshard: the ranks' forwards ran different groups on process group .*: the group run "
+             r"after \['blocks.0', 'blocks.1'\] is ranks \[0\]: 'blocks.2'; ranks \[1\]: 'blocks.3'.*Fix: run every "
+             r"group on every rank", "same"),
+    ("raise", r"CollectiveTimeout: funcshard: the all-gather of group 'blocks.3' \(forward\) did not complete within "
+              r"2 s on process group .* \(plan: (FSDP)?_Net in 5 groups, timeout 2 s\): a rank died, stalled, or is "
+              r"waiting in another collective.*" + _TRUST, r"ValueError: a rank's own error in forward"),
+], ids=["frozen_equal", "frozen_unequal", "skip", "raise"])
+def test_divergence_raises_on_every_rank(path, scenario, rank0, rank1):
+    """Each rank gets the named error within the bound (a hang would be the harness's RankTimeout); state and module
+    parameters are as before the failed step (fully_shard: sharded DTensors again)."""
+    results = run_ranks(2, _scenario, path, scenario, timeout=JOB_S)
+    for rank, (kind, message, intact) in enumerate(results):
+        pattern = rank0 if rank == 0 or rank1 == "same" else rank1
+        assert re.search(pattern, f"{kind}: {message}", re.S), (rank, kind, message)
+        assert intact or kind == "ValueError"  # (a rank's own error: fully_shard's reset_iter_state, as in FSDP2)
+
+
+def test_microbatches_apply_the_waiting_rank_times_out():
+    """Another number of microbatches: with apply each microbatch is a whole step, so the rank with fewer ends as if
+    all were well (nothing tells it otherwise); the rank that waits for it raises within the bound, naming the
+    all-gather it waited for."""
+    (k0, m0, ok0), (k1, m1, ok1) = run_ranks(2, _scenario, "apply", "microbatches", timeout=JOB_S)
+    assert k1 == "ok" and ok0 and ok1
+    assert re.search(r"funcshard: the all-gather of group '' \(the root group\) \(forward\) did not complete within "
+                     r"2 s.*" + _TRUST, m0, re.S) and k0 == "CollectiveTimeout", m0
+
+
+@pytest.mark.parametrize("check, kind, message", [
+    (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1'|reduce-scatter of group 'blocks.3') "
+                                 r"\(backward\) did not complete within 2 s"),
+    (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: "
+                              r"ranks \[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter "
+                              r"of group 'blocks.3' \(backward\)\. Every rank must run the same groups"),
+])
+def test_microbatches_fully_shard(check, kind, message):
+    """fully_shard's microbatches (set_requires_gradient_sync on the last one): the rank that syncs early
+    reduce-scatters while the other gathers for its next microbatch. Both ranks raise: a timeout naming each one's
+    collective, or in check mode the first differing collective."""
+    for k, m, intact in run_ranks(2, _scenario, "fully_shard", "microbatches", check, timeout=JOB_S):
+        assert k == kind and re.search(message, m, re.S) and intact, m
+
+
+@pytest.mark.parametrize("path", ["apply", "fully_shard"])
+def test_check_mode_names_the_first_differing_collective(path):
+    """Check mode: the block rank 1 skips is found at the first collective that differs."""
+    (k0, m0, _), (k1, m1, _) = run_ranks(2, _scenario, path, "skip", True, timeout=JOB_S)
+    assert k0 == k1 == "DivergenceError" and m0 == m1, (m0, m1)
+    assert "the ranks' forwards ran different groups on process group" in m0  # (the forward's all-gathers match:
+    # the block rank 1 skips is prefetched anyway; its backward's first collective would differ)
+
+
+@pytest.mark.slow  # (the pool is started again after each: seconds to tens of seconds under load)
+@pytest.mark.parametrize("path", ["apply", "fully_shard"])
+def test_a_killed_rank_ends_the_others_step(path):
+    """A rank killed in forward: the other raises a CollectiveError at once (gloo sees the peer's socket close) or
+    within the bound."""
+    with pytest.raises(RankError, match=r"(?s)rank 0 raised:.*funcshard\._collectives\.(CollectiveError|"
+                                        r"CollectiveTimeout): funcshard: .*rank 1 died with exit code 3"):
+        run_ranks(2, _die, path, timeout=JOB_S)
+
+
+def _die(path):
+    kind, message, intact = _scenario(path, "killed")
+    if kind != "ok":
+        raise {"CollectiveError": CollectiveError, "CollectiveTimeout": CollectiveTimeout}[kind](message)
+    return kind
+
+
+def _broken_then_refused():
+    """After a timeout, the process group is refused at once by the next step (no second wait)."""
+    torch.manual_seed(0)
+    mesh = _fresh_mesh()
+    model = _Net()
+    plan = funcshard.plan(model, mesh, groups=(nn.Sequential,), timeout=1.0)
+    state = funcshard.shard(plan)
+    x = torch.ones(2, 8)
+    funcshard.apply(plan, state, x)
+    if dist.get_rank() == 1:
+        return "skipped"
+    with pytest.raises(CollectiveTimeout, match=r"all-gather of group '' \(the root group\) \(forward\) did not "
+                                                r"complete within 1 s"):
+        funcshard.apply(plan, state, x)
+    with pytest.raises(CollectiveError, match=r"cannot be used: the all-gather of group '' \(the root group\) "
+                                              r"\(forward\) timed out in an earlier step"):
+        funcshard.apply(plan, state, x)
+    return "refused"
+
+
+def test_a_broken_process_group_is_refused():
+    assert run_ranks(2, _broken_then_refused, timeout=JOB_S) == ["refused", "skipped"]
+
+
+def test_timeout_settings_are_checked():
+    net = _Net()
+    with pytest.raises(funcshard.ShardingError, match=r"plan: timeout=-1 is not a number of seconds >= 0; pass e.g. "
+                                                      r"timeout=120"):
+        funcshard.plan(net, _world1_mesh(), timeout=-1)
+    with pytest.raises(funcshard.ShardingError, match=r"timeout=datetime.timedelta\(seconds=5\); give seconds as a "
+                                                      r"number, e.g. timeout=5"):
+        funcshard.plan(net, _world1_mesh(), timeout=timedelta(seconds=5))
+    p = funcshard.plan(net, _world1_mesh(), timeout=7, check=True)
+    assert "timeout 7 s; check mode" in str(p).splitlines()[0]
+
+
+def _world1_mesh():
+    from funcshard.cost import fake_mesh
+
+    return fake_mesh(2)
+
+
+def test_default_timeout_and_its_environment_variable(monkeypatch):
+    from funcshard._collectives import DEFAULT_TIMEOUT, resolve_timeout
+
+    monkeypatch.delenv("FUNCSHARD_TIMEOUT", raising=False)
+    assert resolve_timeout(None) == DEFAULT_TIMEOUT == 300.0 and resolve_timeout(5) == 5.0
+    assert resolve_timeout(0) is None and resolve_timeout(float("inf")) is None
+    monkeypatch.setenv("FUNCSHARD_TIMEOUT", "42")
+    assert resolve_timeout(None) == 42.0 and resolve_timeout(5) == 5.0
+    monkeypatch.setenv("FUNCSHARD_TIMEOUT", "none")
+    assert resolve_timeout(None) is None
+    monkeypatch.setenv("FUNCSHARD_TIMEOUT", "soon")
+    with pytest.raises(funcshard.ShardingError, match=r"FUNCSHARD_TIMEOUT='soon' is not a number of seconds"):
+        resolve_timeout(None)
+
+
+def test_errors_are_public():
+    assert issubclass(CollectiveTimeout, CollectiveError) and issubclass(DivergenceError, CollectiveError)
+    assert issubclass(CollectiveError, funcshard.ShardingError) and issubclass(CollectiveTimeout, TimeoutError)
+    assert {"CollectiveError", "CollectiveTimeout", "DivergenceError"} <= set(funcshard.__all__)
