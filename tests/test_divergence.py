@@ -223,22 +223,16 @@ def test_a_broken_process_group_is_refused():
     assert run_ranks(2, _broken_then_refused, timeout=JOB_S) == ["refused", "skipped"]
 
 
-def test_timeout_settings_are_checked():
+def test_timeout_settings_are_checked(fake_mesh2):
     net = _Net()
     with pytest.raises(funcshard.ShardingError, match=r"plan: timeout=-1 is not a number of seconds >= 0; pass e.g. "
                                                       r"timeout=120"):
-        funcshard.plan(net, _world1_mesh(), timeout=-1)
+        funcshard.plan(net, fake_mesh2, timeout=-1)
     with pytest.raises(funcshard.ShardingError, match=r"timeout=datetime.timedelta\(seconds=5\); give seconds as a "
                                                       r"number, e.g. timeout=5"):
-        funcshard.plan(net, _world1_mesh(), timeout=timedelta(seconds=5))
-    p = funcshard.plan(net, _world1_mesh(), timeout=7, check=True)
+        funcshard.plan(net, fake_mesh2, timeout=timedelta(seconds=5))
+    p = funcshard.plan(net, fake_mesh2, timeout=7, check=True)
     assert "timeout 7 s; check mode" in str(p).splitlines()[0]
-
-
-def _world1_mesh():
-    from funcshard.cost import fake_mesh
-
-    return fake_mesh(2)
 
 
 def test_default_timeout_and_its_environment_variable(monkeypatch):

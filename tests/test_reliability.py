@@ -112,14 +112,6 @@ def test_a_mesh_over_part_of_the_world_fails_on_every_rank():
                              r"every rank", msg), (rank, name, msg)
 
 
-@pytest.fixture
-def fake_mesh2():
-    """A 2-rank mesh in this process (torch's fake process group: planning needs no collective)."""
-    from funcshard.cost import fake_mesh
-
-    return fake_mesh(2)
-
-
 def _model():
     from models import MLP
 
