@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from funcshard import _comm
+from funcshard._comm import CommHook
 from funcshard._compat import (
     DisableFuncTorch,
     TransformType,
@@ -597,6 +599,8 @@ class PendingGather:
     (``Buckets.copy_targets``; allocated by the caller only then, so a prefetched group holds just its
     all-gather buffer). In the flat layout the all-gather output is already the parameters: nothing to copy."""
 
+    comm_owned = False  # the buffers are an FSDP2 comm's (its ``allocate``): dropped, never resized (it may reuse them)
+
     def __init__(self, layout: Buckets, outs, works, where: Where | None = None):
         self.layout, self.outs, self.works, self.where = layout, outs, works, where
 
@@ -621,31 +625,43 @@ class PendingGather:
         if dsts:
             with no_grad():
                 foreach_copy_(dsts, srcs)
-        free_buffers(self.outs)  # now, not when the process group's work objects let go of them
+        if not self.comm_owned:
+            free_buffers(self.outs)  # now, not when the process group's work objects let go of them
         self.outs = self.works = None
 
 
 def start_gather(
     layout: Buckets, flat_shards: Sequence[Sequence[torch.Tensor]], group, rank: int,
-    outs: Sequence[torch.Tensor] | None = None, where: Where | None = None,
+    outs: Sequence[torch.Tensor] | None = None, where: Where | None = None, comm: CommHook | None = None,
 ) -> PendingGather:
     """Copy the group's local shards (``Buckets.flat_shards``) into one flat buffer per dtype (one copy each)
     and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into. ``where``: what
-    ``finish`` names and bounds its waits by (``wait_work``)."""
+    ``finish`` names and bounds its waits by (``wait_work``). ``comm``: the group's hook (``_comm``; its FSDP2 comm
+    allocates the output)."""
     works, bufs = [], []
+    hooked = comm is not None and comm.all_gather is not None and layout.world > 1
     with no_grad():
         for k, (dt, ix) in enumerate(layout.buckets):
             n = layout.chunk[dt]
             flat = flat_shards[k]
-            out = outs[k] if outs is not None else torch.empty(layout.world * n, dtype=dt, device=flat[0].device)
+            out = outs[k] if outs is not None else _comm.allocate(comm if hooked else None, _comm.ALL_GATHER,
+                                                                   layout.world * n, dt, flat[0].device)
             inp = out.narrow(0, rank * n, n)
             valid = sum(layout.numels[dt])
             torch.cat(flat, out=inp.narrow(0, 0, valid) if valid < n else inp)
             if valid < n:
                 inp.narrow(0, valid, n - valid).zero_()
+            if hooked:
+                work, got = _comm.run(comm, _comm.ALL_GATHER, out, inp, group, where and where.group)
+                if got is not out:  # a functional hook's result (the flat layout's buffers: copied in)
+                    out = out.copy_(got) if outs is not None else got
+            else:
+                work = all_gather_into(out, inp, group) if layout.world > 1 else None  # (1 rank: no collective)
             bufs.append(out)
-            works.append(all_gather_into(out, inp, group) if layout.world > 1 else None)  # (1 rank: no collective)
-    return PendingGather(layout, bufs, works, where)
+            works.append(work)
+    pending = PendingGather(layout, bufs, works, where)
+    pending.comm_owned = outs is None and hooked and _comm.allocates(comm, _comm.ALL_GATHER)
+    return pending
 
 
 def bucket_buffers(layout: Buckets, bases: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -667,6 +683,8 @@ class PendingRegather:
     """All-gathers in flight over a block of ``k`` ranks, from the post-forward shards; ``finish(bases)`` waits and
     copies out into the unsharded buffers (each the ``k`` slices ``post_forward_shards`` cut, rank-major)."""
 
+    comm_owned = False  # (as PendingGather's)
+
     def __init__(self, layout: Buckets, k: int, outs, works, where: Where | None = None):
         self.layout, self.k, self.outs, self.works, self.where = layout, k, outs, works, where
 
@@ -677,22 +695,31 @@ class PendingRegather:
             with no_grad():
                 torch.split_with_sizes_copy(out.view(k, -1), [t.numel() // k for t in ts], dim=1,
                                             out=[t.view(k, -1) for t in ts])
-        free_buffers(self.outs)
+        if not self.comm_owned:
+            free_buffers(self.outs)
         self.outs = self.works = None
 
 
 def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: int, k: int,
-                   where: Where | None = None) -> PendingRegather:
-    """Issue the all-gathers (async) of a group's post-forward shards over its block of ``k`` ranks."""
+                   where: Where | None = None, comm: CommHook | None = None) -> PendingRegather:
+    """Issue the all-gathers (async) of a group's post-forward shards over its block of ``k`` ranks (with the group's
+    all-gather hook, as FSDP2 runs its custom all-gather over the post-forward group too)."""
     outs, works = [], []
+    hooked = comm is not None and comm.all_gather is not None
     with no_grad():
         for p in post:
-            out = torch.empty(k * p.numel(), dtype=p.dtype, device=p.device)
+            out = _comm.allocate(comm, _comm.ALL_GATHER, k * p.numel(), p.dtype, p.device)
             inp = out.narrow(0, rank * p.numel(), p.numel())
             inp.copy_(p)
+            if hooked:
+                work, out = _comm.run(comm, _comm.ALL_GATHER, out, inp, group, where and where.group)
+            else:
+                work = all_gather_into(out, inp, group)
             outs.append(out)
-            works.append(all_gather_into(out, inp, group))
-    return PendingRegather(layout, k, outs, works, where)
+            works.append(work)
+    pending = PendingRegather(layout, k, outs, works, where)
+    pending.comm_owned = _comm.allocates(comm, _comm.ALL_GATHER)
+    return pending
 
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
@@ -745,6 +772,8 @@ class PendingReduce:
     """A group's reduce-scatters in flight; ``finish(divide)`` waits, frees the inputs, all-reduces over the replicate
     group (HSDP) and returns the local gradient shards."""
 
+    comm_owned = False  # the inputs are an FSDP2 comm's: dropped, never resized
+
     def __init__(self, layout: Buckets, pending: list, replicate=None, where: Where | None = None):
         self.layout, self.pending, self.replicate, self.where = layout, pending, replicate, where
 
@@ -764,6 +793,7 @@ class PendingReduce:
             for dt, ix, inp, out, work, before in pending:
                 if work is not None:
                     wait_work(work, self.where)  # (raises: nothing freed, the backend may still read the input)
+                if inp is not out and not self.comm_owned:
                     free_buffers([inp])
                 if partial is not None and (acc := partial.pop(dt, None)) is not None:
                     out.add_(acc)
@@ -800,15 +830,17 @@ class PendingReduce:
 
 def start_reduce_scatter(
     layout: Buckets, grads: list[torch.Tensor | None], group, device: torch.device, divide: float = 1.0,
-    replicate=None, where: Where | None = None,
+    replicate=None, where: Where | None = None, comm: CommHook | None = None,
 ) -> PendingReduce:
     """Copy a group's full gradients into one reduce-scatter input per dtype (cast to the reduce dtype by the copy)
     and issue the reduce-scatters (async; none over a single rank); consumes ``grads`` (see
     ``reduce_scatter_grads``). ``divide``: the factor ``finish`` will divide by; for a reduce dtype that risks
     overflow part of it is applied here, before the sum (``_policy.divide_factors``). ``replicate``: the process group
-    ``finish`` all-reduces the outputs over (HSDP)."""
+    ``finish`` all-reduces the outputs over (HSDP). ``comm``: the group's hook (``_comm``; its FSDP2 comm allocates the
+    input and the output, and is called with ``op=SUM``)."""
     pending = []
     world = layout.world
+    hooked = comm is not None and comm.reduce_scatter is not None and world > 1
     with no_grad():
         for dt, ix in layout.buckets:
             if not (dt.is_floating_point or dt.is_complex):
@@ -825,7 +857,8 @@ def start_reduce_scatter(
                                                              for i in ix)
             alloc = torch.zeros if (layout.has_padding[dt] or missing) and not one_op else torch.empty
             rdt = layout.reduce[dt]
-            inp = alloc(world * n, dtype=rdt, device=device)
+            inp = _comm.allocate(comm if hooked else None, _comm.REDUCE_SCATTER, world * n, rdt, device,
+                                 zero=alloc is torch.zeros)
             dsts, srcs = [], []
             if one_op and len({grads[i].dtype for i in ix}) > 1:  # e.g. accumulated fp32 beside fresh bf16
                 for i in ix:  # (torch._chunk_cat takes one dtype; the cast is exact or the copy's own)
@@ -858,6 +891,13 @@ def start_reduce_scatter(
             if world == 1:  # the input is the output (FSDP2 issues no collective either)
                 pending.append((dt, ix, inp, inp, None, before))
                 continue
+            if hooked:
+                out = _comm.allocate(comm, _comm.REDUCE_SCATTER, n, rdt, device)
+                work, out = _comm.run(comm, _comm.REDUCE_SCATTER, out, inp, group, where and where.group)
+                pending.append((dt, ix, inp, out, work, before))
+                continue
             out = torch.empty(n, dtype=rdt, device=device)
             pending.append((dt, ix, inp, out, reduce_scatter_into(out, inp, group), before))
-    return PendingReduce(layout, pending, replicate, where)
+    result = PendingReduce(layout, pending, replicate, where)
+    result.comm_owned = hooked and _comm.allocates(comm, _comm.REDUCE_SCATTER)
+    return result

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import check_timeout
+from funcshard._comm import CommHook, check_comm
 from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
 from funcshard._mesh import (
@@ -61,6 +62,9 @@ class Group:
         unshard_in_backward: gather the group again for its backward (False: its backward reads no parameters,
             e.g. an embedding's).
         grad_divide_factor: divide this group's summed gradients by this instead of ``Plan.divide_factor``.
+        comm: the group's collectives replaced (``funcshard.CommHook``: functional hooks, e.g. a quantized
+            all-gather, or FSDP2 ``AllGather`` / ``ReduceScatter`` objects, what ``fully_shard``'s
+            ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` set); None: ``torch.distributed``'s.
         param_dtype / reduce_dtype / output_dtype / cast_forward_inputs: mixed precision (``MixedPrecisionPolicy``'s
             fields, FSDP2's semantics): floating parameters are all-gathered and used in ``param_dtype``, their
             gradients reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and handed back in the shards'
@@ -78,6 +82,7 @@ class Group:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    comm: CommHook | None = None
 
     @property
     def is_root(self) -> bool:
@@ -284,7 +289,7 @@ class Plan:
                                               ("grad_divide_factor", g.grad_divide_factor),
                                               ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
                                               ("output_dtype", g.output_dtype),
-                                              ("cast_forward_inputs", g.cast_forward_inputs))
+                                              ("cast_forward_inputs", g.cast_forward_inputs), ("comm", g.comm))
                     if v is not None and v is not True)
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
@@ -328,6 +333,7 @@ def plan(
     timeout: float | None = None,
     check: bool = False,
     dp_mesh_dims: Any = None,
+    comm: CommHook | None = None,
     _spec_of: Callable[[str, nn.Parameter], ShardSpec] | None = None,
 ) -> Plan:
     """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
@@ -368,6 +374,9 @@ def plan(
         dp_mesh_dims: ``DataParallelMeshDims(shard=..., replicate=...)`` naming the data-parallel axes of ``mesh``,
             a full SPMD mesh whose other axes are the model's (torch 2.12+'s ``fully_shard`` argument): every
             parameter must then be a DTensor on ``mesh`` with ``Replicate()`` on those axes.
+        comm: a ``funcshard.CommHook`` for every group (``plan.with_group(name, comm=...)`` for one): its functions
+            run the groups' all-gathers and/or reduce-scatters (e.g. ``funcshard.int8_all_gather()``, a quantized
+            all-gather); ``str(plan)`` and ``funcshard.cost`` count the bytes the hook says it moves.
 
     Parameters that are DTensors (tensor parallel: ``parallelize_module(module, mesh['tp'], ...)`` with ``mesh``
     ``mesh['dp']`` of the same root mesh; or on the full mesh with ``dp_mesh_dims``) are sharded as their local
@@ -420,6 +429,8 @@ def plan(
     if mp_policy is not None:
         precision = _mp_fields(mp_policy, "plan")
         group_list = tuple(dataclasses.replace(g, **precision) for g in group_list)
+    if comm is not None:
+        group_list = tuple(dataclasses.replace(g, comm=check_comm(comm, "plan")) for g in group_list)
     if layout == "flat":
         if shard_placement_fn is not None:
             raise ShardingError(
@@ -597,6 +608,7 @@ def _mp_fields(policy: Any, where: str) -> dict[str, Any]:
 def _check_schedule(p: Plan) -> None:
     names = {g.name for g in p.groups}
     for g in p.groups:
+        check_comm(g.comm, f"group {label(g.name)!r}")
         for f in ("param_dtype", "reduce_dtype", "output_dtype"):
             dt = getattr(g, f)
             if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):

@@ -47,7 +47,7 @@ class ReduceQueue(Part):
         step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
         with no_functorch():
             pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
-                                           step.replicate_pg, step.where("reduce-scatter", name))
+                                           step.replicate_pg, step.where("reduce-scatter", name), gb.group.comm)
         if LISTENERS:
             emit("reduce-scatter issued", name, pending)
         return pending

@@ -84,7 +84,7 @@ class GroupBuffers:
             (post, group, rank, k), self.post = self.post, None
             with no_functorch():
                 self.pending = start_regather(self.layout, post, group, rank, k,
-                                              where and where._replace(kind="re-gather", pg=group))
+                                              where and where._replace(kind="re-gather", pg=group), self.group.comm)
             self.status = Status.GATHERING
             if LISTENERS:
                 emit("all-gather issued", self.group.name, self)
@@ -101,9 +101,10 @@ class GroupBuffers:
                 # Autograd may have saved views of these buffers: hide the refill from its version check. The
                 # collective may bump the version from its own thread until waited: restored in wait().
                 self.versions = preserve_versions(self.bases)
-                self.pending = start_gather(self.layout, flat, pg, rank, outs=self.bases, where=where)
+                self.pending = start_gather(self.layout, flat, pg, rank, outs=self.bases, where=where,
+                                            comm=self.group.comm)
             else:
-                self.pending = start_gather(self.layout, flat, pg, rank, where=where)
+                self.pending = start_gather(self.layout, flat, pg, rank, where=where, comm=self.group.comm)
         self.status = Status.GATHERING
         if LISTENERS:
             emit("all-gather issued", self.group.name, self)

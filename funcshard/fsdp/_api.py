@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import check_timeout
 from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
+from funcshard._comm import custom_comm
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
     check_mesh,
@@ -338,6 +339,18 @@ class FSDPModule:
                              "stream after the reduce-scatter")
         self._set(False, all_reduce_hook=hook)
 
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """FSDP2's ``AllGather`` protocol (``allocate`` + in-place ``__call__``) runs this module's group's all-gathers
+        (not recursive), with FSDP2's buffers and ``async_op=True``; see ``funcshard._comm``."""
+        unit = unit_of(self)
+        self._set(False, comm=custom_comm(getattr(unit, "comm", None), unit.name(), all_gather=comm))
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """FSDP2's ``ReduceScatter`` protocol runs this module's group's reduce-scatters (``op=SUM``; funcshard divides
+        once after)."""
+        unit = unit_of(self)
+        self._set(False, comm=custom_comm(getattr(unit, "comm", None), unit.name(), reduce_scatter=comm))
+
     def _get_fsdp_state(self) -> FSDPState:
         """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
         return state_of(unit_of(self))
@@ -354,8 +367,7 @@ def _unbuilt_method(self, *args: Any, _name: str, **kwargs: Any) -> None:
                      "and dtype, on the mesh's process group, with buffers from the caching allocator")
 
 
-for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
-              "set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
+for _name in ("set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
               "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
     setattr(FSDPModule, _name, functools.partialmethod(_unbuilt_method, _name=_name))
 

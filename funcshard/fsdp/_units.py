@@ -164,7 +164,8 @@ class _Context:
         return dataclasses.replace(g, reshard_after_forward=rsf, reshard_after_backward=u.reshard_after_backward,
                                    unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor,
                                    param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs)
+                                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs,
+                                   comm=getattr(u, "comm", None))  # (set_custom_all_gather / _reduce_scatter)
 
     def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
         out = {}
