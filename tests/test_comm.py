@@ -14,10 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
 import funcshard
+from funcshard._compat import all_gather_name, reduce_scatter_name
 from models import MLP
 from multirank import run_ranks
 from test_fsdp import _fit, _mesh, _nested
+from test_mesh2d import GroupCollectives
 
 try:  # FSDP2's comm protocols (torch 2.9+)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -46,8 +52,9 @@ def _counting(base):
             self.calls.append((tuple(output_tensor.shape), tuple(input_tensor.shape), output_tensor.dtype,
                                output_tensor.numel() * output_tensor.element_size()))
             if op is None:
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+                return getattr(dist, all_gather_name)(output_tensor, input_tensor, group=group, async_op=async_op)
+            return getattr(dist, reduce_scatter_name)(output_tensor, input_tensor, op=op, group=group,
+                                                      async_op=async_op)
 
     return Counting
 
@@ -108,3 +115,175 @@ def _bad_comm():
 
 def test_custom_comm_without_the_protocol_is_refused():
     assert run_ranks(2, _bad_comm) == [True, True]
+
+
+# ---- the tensor-subclass all-gather extension ---------------------------------------------------------------------
+
+aten = torch.ops.aten
+_PRESERVE = {aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.zeros_like.default,
+             aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.view.default,
+             aten._unsafe_view.default, aten.as_strided.default, aten.alias.default, aten.detach.default,
+             aten.clone.default, aten._to_copy.default, aten._pin_memory.default, aten.copy_.default}
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass: shape-keeping ops keep the class (torchao's list); everything else computes on the plain
+    data."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
+                                                   device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map(lambda t: t._data if isinstance(t, cls) else t, args),
+                   **tree_map(lambda t: t._data if isinstance(t, cls) else t, kwargs or {}))
+        if func not in _PRESERVE:
+            return out
+        return tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+
+
+class Int8AllGather(_Wrapper):
+    """A weight whose FSDP all-gather moves int8 with one fp32 scale per row (absmax / 127): FSDP2's extension
+    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``), the way torchao's float8 weights use it."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        w = self._data
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        return (torch.round(w / scale).to(torch.int8), scale), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        q, scale = outputs
+        w = (q.to(torch.float32) * scale).to(param_dtype)
+        if out is not None:  # refill the parameter FSDP made from our first result (autograd saved it)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter((out,)):
+                out.copy_(w)
+            return None
+        return w, (w,)
+
+
+class PreOnly(_Wrapper):
+    fsdp_pre_all_gather = Int8AllGather.fsdp_pre_all_gather
+
+
+class NoExtension(_Wrapper):
+    pass
+
+
+class _QBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.l2(F.gelu(self.l1(x)))
+
+
+class _QMLP(nn.Module):
+    """Even sizes (W=2 shards evenly); every block's weights all-gathered as int8."""
+
+    def __init__(self, cls=Int8AllGather, d=8, layers=2):
+        super().__init__()
+        self.inp, self.out = nn.Linear(7, d), nn.Linear(d, 4)
+        self.blocks = nn.ModuleList(_QBlock(d) for _ in range(layers))
+        for b in self.blocks:
+            for lin in (b.l1, b.l2):
+                lin.weight = nn.Parameter(cls(lin.weight.data))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _q_batch(i, n=4):
+    g = torch.Generator().manual_seed(1000 * i + dist.get_rank())
+    return torch.randn(n, 7, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _int8_fully_shard(fs, mesh):
+    torch.manual_seed(0)
+    model = _nested(fs, _QMLP(), mesh)
+    comms = []
+    for m in model.blocks:
+        ag = _counting(AllGather)()
+        m.set_custom_all_gather(ag)
+        comms.append(ag)
+    numbers, params = _fit(model, steps=3, batch=_q_batch)
+    assert isinstance(model.blocks[0].l1.weight.to_local(), Int8AllGather)
+    return numbers, params, [ag.calls for ag in comms]
+
+
+@needs_protocols
+def test_int8_all_gather_subclass_matches_fsdp2():
+    for same_losses, param_diff, same_comms, comms in run_ranks(2, _parity, _int8_fully_shard):
+        assert same_losses and param_diff == 0.0
+        assert same_comms, comms
+        # per block and gather: one all-gather of bytes: two int8 weights (8x8), their per-row scales and two biases
+        q, scales, biases = 2 * 64, 2 * 8 * 4, 2 * 8 * 4
+        assert {c[2] for c in comms[0]} == {torch.uint8} and {c[3] for c in comms[0]} == {q + scales + biases}
+        assert q == 2 * 64 * 4 // 4  # a quarter of the fp32 weights' bytes
+
+
+def _int8_functional():
+    """The same subclass on the functional path (plan / apply / value_and_grad): one step's loss and gradients equal
+    FSDP2's with the subclass, bit for bit; each block's all-gather moves the int8 bytes (counted at c10d)."""
+    mesh, rank = _mesh(), dist.get_rank()
+    torch.manual_seed(0)
+    model = _QMLP()
+    p = funcshard.plan(model, mesh, groups=(_QBlock,))
+    state = funcshard.shard(p)
+    x, y = _q_batch(0)
+    with GroupCollectives() as rec:
+        loss, grads = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(p, s, x), y))(state)
+    torch.manual_seed(0)
+    ref = _nested(torch_fsdp, _QMLP(), mesh)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    same = all(torch.equal(grads[k], p.specs[k].local_shard(q.grad.full_tensor(), rank))
+               for k, q in ref.named_parameters())
+    gathers = [(c[2], c[4]) for c in rec.calls if c[0] == "all-gather"]
+    return (isinstance(state["blocks.0.l1.weight"], Int8AllGather), loss.item() == ref_loss.item(), same, gathers)
+
+
+def test_int8_all_gather_subclass_on_the_functional_path_matches_fsdp2():
+    for is_subclass, same_loss, same_grads, gathers in run_ranks(2, _int8_functional):
+        assert is_subclass and same_loss and same_grads
+        # the root (fp32: inp 8x7 + 8, out 4x8 + 4), then each block forward and backward: one all-gather of bytes
+        block = (torch.uint8, 2 * 64 + 2 * 8 * 4 + 2 * 8 * 4)
+        assert gathers.count(block) == 4 and len(gathers) == 5, gathers
+
+
+def _subclass_errors():
+    mesh = _mesh()
+    out = []
+    for cls, pattern in ((PreOnly, r"group 'blocks.0', parameter 'blocks.0.l1.weight': its PreOnly defines "
+                                   r"fsdp_pre_all_gather but not fsdp_post_all_gather"),
+                         (NoExtension, r"group 'blocks.0', parameter 'blocks.0.l1.weight': a tensor subclass "
+                                       r"\(NoExtension\) without fsdp_pre_all_gather / fsdp_post_all_gather")):
+        model = _QMLP(cls)
+        p = funcshard.plan(model, mesh, groups=(_QBlock,))
+        state = funcshard.shard(p)
+        with pytest.raises(funcshard.ShardingError, match=pattern):
+            funcshard.apply(p, state, torch.randn(2, 7))
+        out.append(True)
+    return out
+
+
+def test_subclass_without_the_extension_methods_is_refused():
+    assert run_ranks(2, _subclass_errors) == [[True, True]] * 2

@@ -30,6 +30,7 @@ from funcshard._collectives import (
     start_regather,
     unwrapped,
 )
+from funcshard._comm import extension_of
 from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._plan import Group
 from funcshard._runtime.observe import LISTENERS, emit
@@ -45,12 +46,14 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post", "grad_mask")
+                 "pending", "versions", "frozen", "trainable", "post", "grad_mask", "ext")
 
-    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
+    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None):
         self.group = group
         self.layout = layout
         self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
+        # shards whose class defines FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather)
+        self.ext = None if plan is None else extension_of(group, layout, list(map(unwrapped, self.shards)), plan)
         grad = [t.requires_grad for t in self.shards]
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after the
         # group's reduce-scatter, so it is freed only once its inputs' gradients are complete too (FrozenRelease).
@@ -89,6 +92,13 @@ class GroupBuffers:
             if LISTENERS:
                 emit("all-gather issued", self.group.name, self)
             return
+        if self.ext is not None:  # the extension's inputs, one all-gather of them all
+            with no_functorch(), no_grad():
+                self.pending = self.ext.start(self.shards, pg, rank, self.group.comm, where)
+            self.status = Status.GATHERING
+            if LISTENERS:
+                emit("all-gather issued", self.group.name, self)
+            return
         with no_functorch(), no_grad():
             flat = self.flat_shards
             if flat is None:
@@ -114,8 +124,13 @@ class GroupBuffers:
             self.bases = self.layout.new_buffers(self.device)
             self.copy_to = self.layout.copy_targets(self.bases)
         else:  # storage freed by a reshard: allocate it again (autograd's views stay valid)
-            for t in self.bases:
+            for t in self.storages():
                 t.untyped_storage().resize_(t.numel() * t.element_size())
+
+    def storages(self) -> list[torch.Tensor]:
+        """The tensors whose storage is freed and refilled with the group (with an all-gather extension: the plain
+        parameters' buffers and the tensors ``fsdp_post_all_gather`` returned)."""
+        return self.bases if self.ext is None else self.ext.storages(self.bases)
 
     def wait(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather and copy out into the buffers."""
@@ -128,12 +143,12 @@ class GroupBuffers:
             regather = isinstance(self.pending, PendingRegather)
             if not self.layout.flat or regather:
                 self.allocate()
-            targets = self.bases if regather else self.copy_to
+            targets = self.bases if regather or self.ext is not None else self.copy_to
             try:
                 if fresh:
                     self.pending.finish(targets)
                 else:  # refilling tensors autograd saved for backward: their version must not change
-                    with preserve_versions(self.bases):
+                    with preserve_versions(self.versioned()):
                         self.pending.finish(targets)
             except CollectiveError:
                 self.drop()
@@ -155,7 +170,7 @@ class GroupBuffers:
         if self.layout.flat and not isinstance(self.pending, PendingRegather):
             self.bases = self.copy_to = None
         elif self.bases is not None:
-            free_buffers(self.bases)  # (per-parameter layout: the collective writes into its own buffers)
+            free_buffers(self.storages())  # (per-parameter layout: the collective writes into its own buffers)
         self.pending, self.status = None, Status.SHARDED
 
     def free(self) -> None:
@@ -171,7 +186,7 @@ class GroupBuffers:
                 raise
             return  # (dropped)
         with no_functorch():
-            free_buffers(self.bases)
+            free_buffers(self.storages())
         self.status = Status.SHARDED
         if LISTENERS:
             emit("freed", self.group.name, self)
@@ -187,6 +202,12 @@ class GroupBuffers:
         self.free()
         self.post = (post, group, rank, k)
 
+    def versioned(self) -> list[torch.Tensor]:
+        """The buffers whose autograd versions a refill must not bump (plain tensors only)."""
+        if self.ext is None:
+            return self.bases
+        return list({id(t): t for t in (*self.bases, *self.storages()) if _plain(t)}.values())
+
     def views(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameters as views of the buffers (no autograd history)."""
         with no_grad():
@@ -195,6 +216,12 @@ class GroupBuffers:
     def storageless_views(self) -> tuple[torch.Tensor, ...]:
         """The unsharded parameters as views of buffers made now and freed at once (storage comes with the group's
         gathers): the whole-step gather's outputs under torch.func."""
+        if self.ext is not None:
+            raise NotImplementedError(
+                f"group {self.group.name!r}: a parameter with an all-gather extension (fsdp_pre_all_gather) under a "
+                f"torch.func grad transform is not built (its fsdp_post_all_gather makes the unsharded parameter at "
+                f"each gather, after the transform's whole-step gather has made its outputs); use "
+                f"funcshard.value_and_grad or plain autograd")
         with no_functorch(), no_grad():
             self.bases = self.layout.new_buffers(self.device)
             self.copy_to = self.layout.copy_targets(self.bases)
@@ -206,7 +233,13 @@ class GroupBuffers:
         """Take over another step's gathered buffers (no second all-gather); ``other`` becomes SHARDED."""
         other.wait()
         self.bases, self.copy_to, self.status = other.bases, other.copy_to, Status.GATHERED
+        if self.ext is not None and other.ext is not None:  # (the parameters fsdp_post_all_gather made)
+            self.ext.inner, other.ext.inner = other.ext.inner, [None] * len(other.ext.inner)
         other.bases, other.copy_to, other.status = None, None, Status.SHARDED
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 def preserve_versions(tensors):

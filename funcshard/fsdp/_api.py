@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import check_timeout
 from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
-from funcshard._comm import custom_comm
+from funcshard._comm import custom_comm, storage_ptr
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
     check_mesh,
@@ -153,7 +153,7 @@ def _resync(unit: _Unit) -> None:
         with torch.no_grad():
             local = cur.to_local()
         if cur is r.param and local.dtype == r.padded.dtype and local.device == r.padded.device and (
-                r.padded.is_meta or local.untyped_storage().data_ptr() == r.padded.untyped_storage().data_ptr()):
+                r.padded.is_meta or storage_ptr(local) == storage_ptr(r.padded)):
             continue
         r.spec = dataclasses.replace(r.spec, dtype=local.dtype)
         r.padded = local.new_zeros(r.spec.local_shape)
