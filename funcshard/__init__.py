@@ -9,6 +9,7 @@
 
 from funcshard import checkpoint, cost, optim, trace
 from funcshard._apply import apply
+from funcshard._comm import CommHook, bf16_reduce_scatter, int8_all_gather
 from funcshard._collectives import (
     CollectiveError,
     CollectiveTimeout,
@@ -37,6 +38,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "CollectiveError",
     "CollectiveTimeout",
+    "CommHook",
     "DivergenceError",
     "DataParallelMeshDims",
     "FSDPModule",
@@ -51,11 +53,13 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "apply",
+    "bf16_reduce_scatter",
     "check_state",
     "checkpoint",
     "cost",
     "fully_shard",
     "gather",
+    "int8_all_gather",
     "optim",
     "plan",
     "reduce_scatter",

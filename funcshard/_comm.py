@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from funcshard._spec import ShardingError
 
-__all__ = ["CommHook", "check_comm", "hook_nbytes", "custom_comm"]
+__all__ = ["CommHook", "bf16_reduce_scatter", "check_comm", "custom_comm", "hook_nbytes", "int8_all_gather",
+           "wire_nbytes"]
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
 
@@ -62,7 +63,7 @@ class CommHook:
         return "CommHook(" + ", ".join(parts) + ")"
 
     def fn(self, kind: str):
-        return self.all_gather if kind == ALL_GATHER else self.reduce_scatter
+        return self.all_gather if kind == ALL_GATHER else self.reduce_scatter if kind == REDUCE_SCATTER else None
 
 
 def _fn_name(f: Any) -> str:
@@ -107,6 +108,15 @@ def hook_nbytes(comm: CommHook | None, kind: str, numel: int, dtype: torch.dtype
     if comm is None or comm.nbytes is None or comm.fn(kind) is None:
         return plain
     return int(comm.nbytes(kind, numel, dtype, world))
+
+
+def wire_nbytes(plan, c) -> int:
+    """A schedule's ``Collective`` as its group's hook moves it: the hook's bytes (``CommHook.nbytes``), else the
+    unsharded buffer's (``Collective.nbytes``). The one rule ``str(plan)`` and ``funcshard.cost`` count with."""
+    comm = plan.group(c.group).comm
+    if comm is None or comm.fn(c.kind) is None:
+        return c.nbytes
+    return hook_nbytes(comm, c.kind, c.numel, c.dtype, c.world)
 
 
 # ---- the runtime's calls ---------------------------------------------------------------------------------
@@ -156,6 +166,67 @@ def run(comm: CommHook, kind: str, out: torch.Tensor, inp: torch.Tensor, group, 
 
 def _label(name: str | None) -> str:
     return "'' (the root group)" if name == "" else repr(name) if name is not None else "(unnamed)"
+
+
+# ---- two hooks to start from ---------------------------------------------------------------------------------------
+
+
+def int8_all_gather(block: int = 256) -> CommHook:
+    """A quantized all-gather (ZeRO++'s qwZ): each rank's bucket goes over the wire as int8 with one fp32 scale per
+    ``block`` elements (absmax / 127), one collective of bytes, and is dequantized on arrival (this rank's own
+    elements too, so every rank computes with the same parameters). Lossy: the forward and backward see the
+    dequantized parameters; gradients and the optimizer keep full precision. Floating buckets only (others: plain)."""
+    if not isinstance(block, int) or block < 1:
+        raise ShardingError(f"int8_all_gather: block={block!r} must be an int >= 1 (elements per fp32 scale)")
+
+    def blocks(n: int) -> int:
+        return -(-n // block)
+
+    def all_gather(shard: torch.Tensor, group) -> torch.Tensor:
+        from funcshard._collectives import all_gather_into
+
+        n, world = shard.numel(), dist.get_world_size(group)
+        if not shard.dtype.is_floating_point:
+            out = shard.new_empty(world * n)
+            all_gather_into(out, shard, group, async_op=False)
+            return out
+        nb = blocks(n)
+        x = torch.nn.functional.pad(shard.float(), (0, nb * block - n)).view(nb, block)
+        scale = x.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        q = torch.round(x / scale).to(torch.int8)
+        packed = torch.cat([q.view(-1).view(torch.uint8), scale.view(-1).view(torch.uint8)])
+        out = packed.new_empty(world * packed.numel())
+        all_gather_into(out, packed, group, async_op=False)
+        out = out.view(world, -1)
+        q = out[:, : nb * block].contiguous().view(torch.int8).view(world, nb, block)
+        scale = out[:, nb * block :].contiguous().view(torch.float32).view(world, nb, 1)
+        return (q.float() * scale).view(world, -1)[:, :n].to(shard.dtype).reshape(-1)
+
+    def nbytes(kind: str, n: int, dtype: torch.dtype, world: int) -> int:
+        if not dtype.is_floating_point:
+            return world * n * dtype.itemsize
+        return world * (blocks(n) * block + 4 * blocks(n))
+
+    return CommHook(all_gather=all_gather, nbytes=nbytes, name=f"int8_all_gather(block={block})")
+
+
+def bf16_reduce_scatter() -> CommHook:
+    """A compressed reduce-scatter: fp32 gradients summed in bfloat16 on the wire (half the bytes), the result cast
+    back to fp32 before the divide. Other dtypes: plain."""
+
+    def reduce_scatter(full: torch.Tensor, group) -> torch.Tensor:
+        from funcshard._collectives import reduce_scatter_into
+
+        world = dist.get_world_size(group)
+        wire = full.to(torch.bfloat16) if full.dtype == torch.float32 else full
+        out = wire.new_empty(full.numel() // world)
+        reduce_scatter_into(out, wire, group, async_op=False)
+        return out.to(full.dtype)
+
+    def nbytes(kind: str, n: int, dtype: torch.dtype, world: int) -> int:
+        return world * n * (2 if dtype == torch.float32 else dtype.itemsize)
+
+    return CommHook(reduce_scatter=reduce_scatter, nbytes=nbytes, name="bf16_reduce_scatter()")
 
 
 # ---- the tensor-subclass all-gather extension (FSDP2's fsdp_pre_all_gather / fsdp_post_all_gather) ---------------

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import check_timeout
-from funcshard._comm import CommHook, check_comm
+from funcshard._comm import CommHook, check_comm, wire_nbytes
 from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
 from funcshard._mesh import (
@@ -299,6 +299,12 @@ class Plan:
         lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
                      f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
                      (f", all-reduce {totals['all-reduce'] / 2**20:.2f} MiB" if "all-reduce" in totals else ""))
+        if any(g.comm is not None for g in self.groups):
+            wire: dict[str, int] = {}
+            for c in step.collectives():
+                wire[c.kind] = wire.get(c.kind, 0) + wire_nbytes(self, c)
+            lines.append("  moved by the groups' comm hooks: " + ", ".join(
+                f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
         kept = step.kept_after_forward()
         lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
                      f"(groups not resharded, or resharded to fewer ranks)")

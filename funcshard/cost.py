@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from funcshard._comm import wire_nbytes
 from funcshard._compat import all_gather_name, fake_store, torch_tree_leaves
 from funcshard._cost_trace import (
     BWD_END,
@@ -82,10 +83,11 @@ class Hardware:
     op_overhead_s: float = 0.0
     group_overhead_s: float = 0.0
 
-    def collective_s(self, c: Collective) -> float:
+    def collective_s(self, c: Collective, nbytes: int | None = None) -> float:
         """One collective over ``c.world`` ranks, ring algorithms: an all-gather or reduce-scatter sends
-        ``(W - 1) / W`` of the unsharded buffer, an all-reduce (HSDP, over the replicate axis) twice that."""
-        sent = c.nbytes * (c.world - 1) / c.world * (2 if c.kind == ALL_REDUCE else 1)
+        ``(W - 1) / W`` of the unsharded buffer, an all-reduce (HSDP, over the replicate axis) twice that. ``nbytes``:
+        the bytes a group's comm hook moves instead of the buffer's (``_comm.wire_nbytes``)."""
+        sent = (c.nbytes if nbytes is None else nbytes) * (c.world - 1) / c.world * (2 if c.kind == ALL_REDUCE else 1)
         return self.latency_s + sent / self.link_bytes_per_s
 
     def stretch_s(self, s: Stretch) -> float:
@@ -238,6 +240,14 @@ class Cost:
             out[c.kind] = out.get(c.kind, 0) + c.nbytes
         return out
 
+    def wire_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes per kind as the groups' comm hooks move them (``CommHook.nbytes``; the buffers' without a hook):
+        what the time estimate sends."""
+        out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + wire_nbytes(self.plan, c)
+        return out
+
     def max_by_category(self) -> dict[str, int]:
         """Each category's own highest value over the step (they need not peak together)."""
         return {k: max(p.bytes[k] for p in self.points) for k in CATEGORIES}
@@ -253,7 +263,9 @@ class Cost:
                             f"are the {self.traced_on} kernels')")
         lines += [f"    {k:17s} {mib(v)}" for k, v in self.peak.bytes.items()]
         counts, nbytes = self.counts(), self.bytes_by_kind()
-        lines += [f"  {k}: {counts[k]} per step, {mib(nbytes[k])} (unsharded buffers)" for k in counts]
+        wire = self.wire_bytes_by_kind()
+        lines += [f"  {k}: {counts[k]} per step, {mib(nbytes[k])} (unsharded buffers)" +
+                  (f", {mib(wire[k])} moved by the comm hooks" if wire[k] != nbytes[k] else "") for k in counts]
         if self.step_s is not None:
             lines.append(f"  step {self.step_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, collectives "
                          f"{self.comm_s * 1e3:.1f} ms of which {self.exposed_s * 1e3:.1f} ms exposed")
@@ -340,7 +352,7 @@ class _Replay:
             return 0.0
         for c in collectives:
             start = max(self.t, self.chan)
-            self.chan = start + self.hw.collective_s(c)
+            self.chan = start + self.hw.collective_s(c, wire_nbytes(self.plan, c))
             self.comm += self.chan - start
             self.intervals.append(Interval("comm", f"{c.kind} {label(c.group)}", start, self.chan))
         return self.chan

@@ -287,3 +287,94 @@ def _subclass_errors():
 
 def test_subclass_without_the_extension_methods_is_refused():
     assert run_ranks(2, _subclass_errors) == [[True, True]] * 2
+
+
+# ---- funcshard's functional comm hooks (CommHook, plan(..., comm=...)) --------------------------------------------
+
+
+def _functional_hooks():
+    """MLP (fp32, W=2): the plain plan, int8_all_gather(block=16) on every group, bf16_reduce_scatter() on the blocks.
+    The bytes at c10d equal what the hooks say they move, which str(plan) prints and funcshard.cost counts."""
+    from models import Block
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    x, y = _q_batch(0)
+    y = y[:, :3]
+    out = {}
+    base = funcshard.plan(model, mesh, groups=(Block,))
+    plans = {"plain": base, "int8": funcshard.plan(model, mesh, groups=(Block,), comm=funcshard.int8_all_gather(16)),
+             "bf16_rs": base.with_group("blocks.0", comm=funcshard.bf16_reduce_scatter())
+                            .with_group("blocks.1", comm=funcshard.bf16_reduce_scatter())}
+    hw = funcshard.cost.Hardware(flops_per_s=1e12, memory_bytes_per_s=1e11, link_bytes_per_s=1e9)
+    for name, p in plans.items():
+        state = funcshard.shard(p)
+        with GroupCollectives() as rec:
+            loss, grads = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(p, s, x), y))(state)
+        moved = {}
+        for kind, _, dtype, _, nbytes in rec.calls:
+            moved[kind] = moved.get(kind, 0) + nbytes
+        cost = funcshard.cost.estimate(p, x, loss=lambda o: F.mse_loss(o, y), hardware=hw)
+        out[name] = dict(loss=loss.item(), grads=grads, moved=moved, wire=cost.wire_bytes_by_kind(),
+                         buffers=cost.bytes_by_kind(), comm_s=cost.comm_s, printed=str(p))
+    return out
+
+
+def test_functional_comm_hooks_move_their_bytes_and_are_counted():
+    for out in run_ranks(2, _functional_hooks):
+        plain, int8, bf16 = out["plain"], out["int8"], out["bf16_rs"]
+        for run in out.values():  # what the process group moved is what the cost model counts
+            assert run["moved"] == run["wire"], run
+        assert plain["wire"] == plain["buffers"] and "comm hooks" not in plain["printed"]
+        # int8 + one fp32 scale per 16 elements (buckets padded to 16): 35 % of the fp32 bytes here; reduce-scatters
+        # untouched
+        assert int8["wire"]["all-gather"] < plain["wire"]["all-gather"] * 0.36
+        assert int8["wire"]["reduce-scatter"] == plain["wire"]["reduce-scatter"]
+        assert "comm=int8_all_gather(block=16)" in int8["printed"]
+        assert "moved by the groups' comm hooks: all-gather" in int8["printed"]
+        assert int8["comm_s"] < plain["comm_s"]
+        assert abs(int8["loss"] - plain["loss"]) < 1e-2 * abs(plain["loss"])  # lossy, close
+        # bf16 on the wire for the blocks' reduce-scatters (the root's stays fp32)
+        assert bf16["wire"]["reduce-scatter"] < plain["wire"]["reduce-scatter"]
+        assert bf16["loss"] == plain["loss"]
+        for k, g in plain["grads"].items():
+            torch.testing.assert_close(bf16["grads"][k], g, rtol=1e-2, atol=1e-3)
+            if not k.startswith("blocks"):
+                assert torch.equal(bf16["grads"][k], g)
+
+
+def _wrong_shape(shard, group):
+    return shard  # this rank's bucket only
+
+
+def _wrong_dtype(full, group):
+    return full[: full.numel() // dist.get_world_size(group)].double()
+
+
+def _bad_hooks():
+    from models import Block
+
+    mesh = _mesh()
+    model = MLP(layers=1)
+    x, y = torch.randn(2, 7), torch.randn(2, 3)
+    out = []
+    for hook, pattern in (
+            (funcshard.CommHook(all_gather=_wrong_shape),
+             r"the all-gather hook _wrong_shape of group 'blocks.0' returned shape \(\d+,\), dtype torch.float32; it "
+             r"must return shape \(\d+,\), dtype torch.float32"),
+            (funcshard.CommHook(reduce_scatter=_wrong_dtype),
+             r"the reduce-scatter hook _wrong_dtype of group 'blocks.0' returned shape \(\d+,\), dtype torch.float64; "
+             r"it must return shape \(\d+,\), dtype torch.float32")):
+        p = funcshard.plan(model, mesh, groups=(Block,)).with_group("blocks.0", comm=hook)
+        state = funcshard.shard(p)
+        with pytest.raises(funcshard.ShardingError, match=pattern):
+            funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(p, s, x), y))(state)
+        out.append(True)
+    with pytest.raises(funcshard.ShardingError, match=r"plan: comm=<function .*> is not a funcshard.CommHook"):
+        funcshard.plan(model, mesh, comm=_wrong_shape)
+    return out
+
+
+def test_a_hook_returning_the_wrong_shape_or_dtype_is_named():
+    assert run_ranks(2, _bad_hooks) == [[True, True]] * 2
