@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from funcshard._spec import ShardingError
 
@@ -234,11 +235,11 @@ def bf16_reduce_scatter() -> CommHook:
 
 def _wrapper_subclass(t: torch.Tensor) -> bool:
     """A traceable wrapper subclass (``__tensor_flatten__``, e.g. torchao's float8 weights), not a DTensor."""
-    from torch.distributed.tensor import DTensor
-
     cls = type(t)
-    return cls not in (torch.Tensor, torch.nn.Parameter) and hasattr(cls, "__tensor_flatten__") and \
-        not isinstance(t, DTensor)
+    return cls not in _PLAIN and hasattr(cls, "__tensor_flatten__") and not isinstance(t, DTensor)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -254,6 +255,8 @@ def extension_of(group, layout, shards, plan) -> Extension | None:
     ``fsdp_post_all_gather`` (None: none does). Raises for a class with only one of them, a tensor subclass with
     neither (its all-gather would move its plain data and hand the module a plain tensor, silently), and for what is
     not built with the extension (the flat layout, shards on a dim other than 0, an int ``reshard_after_forward``)."""
+    if all(type(t) in _PLAIN for t in shards):  # (the common case, per step: no attribute lookups)
+        return None
     marks = []
     for p, t in zip(group.params, shards):
         pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")

@@ -259,6 +259,9 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     compiled, without apply's memory bound.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
+    if hooked := [g.name for g in plan.groups if g.comm is not None]:
+        raise NotImplementedError(f"traced_apply: groups {hooked} have comm hooks (Group.comm), which the traced mode "
+                                  f"does not run; use funcshard.apply, or a plan without them")
     lay = layout(plan)
     if lay.cast_inputs is not None:
         args, kwargs = cast_floating(lay.cast_inputs, (args, kwargs))

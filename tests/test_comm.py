@@ -378,3 +378,9 @@ def _bad_hooks():
 
 def test_a_hook_returning_the_wrong_shape_or_dtype_is_named():
     assert run_ranks(2, _bad_hooks) == [[True, True]] * 2
+
+
+def test_traced_apply_refuses_comm_hooks(fake_mesh2):
+    p = funcshard.plan(MLP(layers=1), fake_mesh2, comm=funcshard.int8_all_gather())
+    with pytest.raises(NotImplementedError, match=r"traced_apply: groups \[''\] have comm hooks"):
+        funcshard.traced_apply(p, funcshard.shard(p), torch.randn(2, 7))
