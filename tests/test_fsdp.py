@@ -890,8 +890,10 @@ ERRORS = {
                    r"shard axis size 2 .*; pick True or False",
     "dp_mesh_dims": r"ValueError: mesh must have mesh_dim_names when dp_mesh_dims is provided",  # (tests/test_tp.py)
     "dtensor_params": r"ShardingError: weight: a DTensor on mesh .* its mesh is the data-parallel mesh",
-    "custom_all_gather": r"NotImplementedError: set_custom_all_gather is not built yet",
-    "custom_reduce_scatter": r"NotImplementedError: set_custom_reduce_scatter is not built yet",
+    "custom_all_gather": r"TypeError: MLP: set_custom_all_gather\(object\): expects an object with FSDP2's AllGather "
+                         r"protocol",
+    "custom_reduce_scatter": r"TypeError: MLP: set_custom_reduce_scatter\(object\): expects an object with FSDP2's "
+                             r"ReduceScatter protocol",
     "all_reduce_hook_stream": r"NotImplementedError: set_all_reduce_hook\(stream=...\) is not built yet",
     "int_reshard_setter": r"ValueError: reshard_after_forward should be a bool",
 }
