@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from funcshard._spec import ShardingError
 
-__all__ = ["CommHook", "bf16_reduce_scatter", "check_comm", "custom_comm", "hook_nbytes", "int8_all_gather",
+__all__ = ["CommHook", "bf16_reduce_scatter", "check_comm", "check_extension", "custom_comm", "hook_nbytes", "int8_all_gather",
            "wire_nbytes"]
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
@@ -250,6 +250,28 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def check_extension(t: torch.Tensor, group: str, param: str) -> bool:
+    """Whether the tensor's class has the all-gather extension; raises for a class with one of the two methods, or
+    a wrapper subclass with neither (its all-gather would move its plain data and hand the module a plain tensor,
+    silently). ``plan`` asks it of every parameter, the runtime of every shard it gathers."""
+    if type(t) in _PLAIN:
+        return False
+    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    where = f"group {_label(group)}, parameter {param!r}"
+    if pre != post:
+        have, lack = ("pre", "post") if pre else ("post", "pre")
+        raise ShardingError(f"{where}: its {type(t).__name__} defines fsdp_{have}_all_gather but not "
+                            f"fsdp_{lack}_all_gather; the all-gather extension needs both (FSDP2's protocol: "
+                            f"fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy) -> (inputs, "
+                            f"metadata), fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None))")
+    if not pre and _wrapper_subclass(t):
+        raise ShardingError(f"{where}: a tensor subclass ({type(t).__name__}) without fsdp_pre_all_gather / "
+                            f"fsdp_post_all_gather: funcshard would all-gather its plain data and hand the module "
+                            f"a plain tensor. Define both methods on {type(t).__name__} (what torchao's float8 "
+                            f"weights do), or shard a plain tensor")
+    return pre
+
+
 def extension_of(group, layout, shards, plan) -> Extension | None:
     """The group's all-gather extension when a shard's class defines FSDP2's ``fsdp_pre_all_gather`` /
     ``fsdp_post_all_gather`` (None: none does). Raises for a class with only one of them, a tensor subclass with
@@ -257,22 +279,7 @@ def extension_of(group, layout, shards, plan) -> Extension | None:
     not built with the extension (the flat layout, shards on a dim other than 0, an int ``reshard_after_forward``)."""
     if all(type(t) in _PLAIN for t in shards):  # (the common case, per step: no attribute lookups)
         return None
-    marks = []
-    for p, t in zip(group.params, shards):
-        pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
-        where = f"group {_label(group.name)}, parameter {p!r}"
-        if pre != post:
-            have, lack = ("pre", "post") if pre else ("post", "pre")
-            raise ShardingError(f"{where}: its {type(t).__name__} defines fsdp_{have}_all_gather but not "
-                                f"fsdp_{lack}_all_gather; the all-gather extension needs both (FSDP2's protocol: "
-                                f"fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy) -> (inputs, "
-                                f"metadata), fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None))")
-        if not pre and _wrapper_subclass(t):
-            raise ShardingError(f"{where}: a tensor subclass ({type(t).__name__}) without fsdp_pre_all_gather / "
-                                f"fsdp_post_all_gather: funcshard would all-gather its plain data and hand the module "
-                                f"a plain tensor. Define both methods on {type(t).__name__} (what torchao's float8 "
-                                f"weights do), or shard a plain tensor")
-        marks.append(pre)
+    marks = [check_extension(t, group.name, p) for p, t in zip(group.params, shards)]
     if not any(marks):
         return None
     name = [p for p, m in zip(group.params, marks) if m][0]
@@ -313,7 +320,7 @@ class Extension:
         out = [b for b, m in zip(bases, self.marks) if not m]
         return out + [t for inner in self.inner if inner for t in inner]
 
-    def _inputs(self, i: int, shard: torch.Tensor) -> list[torch.Tensor]:
+    def _inputs(self, i: int, shard: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
         import inspect
 
         spec, fn = self.layout.specs[i], shard.fsdp_pre_all_gather

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import check_timeout
-from funcshard._comm import CommHook, check_comm, wire_nbytes
+from funcshard._comm import CommHook, check_comm, check_extension, wire_nbytes
 from funcshard._compat import dtensor_local
 from funcshard._schedule import label, schedule
 from funcshard._mesh import (
@@ -437,6 +437,10 @@ def plan(
         group_list = tuple(dataclasses.replace(g, **precision) for g in group_list)
     if comm is not None:
         group_list = tuple(dataclasses.replace(g, comm=check_comm(comm, "plan")) for g in group_list)
+    for g in group_list:  # tensor subclasses: with both all-gather extension methods, or none and not a wrapper
+        for q in g.params:
+            t = named["params"][q]
+            check_extension(dtensor_local(t) if isinstance(t, DTensor) else t, g.name, q)
     if layout == "flat":
         if shard_placement_fn is not None:
             raise ShardingError(

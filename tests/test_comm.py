@@ -276,11 +276,15 @@ def _subclass_errors():
                                    r"fsdp_pre_all_gather but not fsdp_post_all_gather"),
                          (NoExtension, r"group 'blocks.0', parameter 'blocks.0.l1.weight': a tensor subclass "
                                        r"\(NoExtension\) without fsdp_pre_all_gather / fsdp_post_all_gather")):
-        model = _QMLP(cls)
-        p = funcshard.plan(model, mesh, groups=(_QBlock,))
-        state = funcshard.shard(p)
+        with pytest.raises(funcshard.ShardingError, match=pattern):  # the plan
+            funcshard.plan(_QMLP(cls), mesh, groups=(_QBlock,))
+        p = funcshard.plan(_QMLP(), mesh, groups=(_QBlock,))  # a state of such shards: the runtime
+        state = {k: cls(v._data) if isinstance(v, Int8AllGather) else v for k, v in funcshard.shard(p).items()}
         with pytest.raises(funcshard.ShardingError, match=pattern):
             funcshard.apply(p, state, torch.randn(2, 7))
+        model = _nested(funcshard, _QMLP(cls), mesh)  # fully_shard: at the first forward (its plan)
+        with pytest.raises(funcshard.ShardingError, match=pattern):
+            model(torch.randn(2, 7))
         out.append(True)
     return out
 
