@@ -205,7 +205,8 @@ class Plan:
         """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward): its
         explicit list if it has one, else the next ``depth`` groups in the plan's order (backward: reversed).
         ``ran``: the order the groups' forwards actually ran in (backward: the order they finished in; backward
-        prefetch follows its reverse, as FSDP2 records it), when it is known. The one rule the runtime and the schedule both use."""
+        prefetch follows its reverse, as FSDP2 records it), when it is known. The one rule the runtime and the
+        schedule both use."""
         cache = self.derived("prefetch_after", lambda _: {})
         key = (name, backward, ran)
         hit = cache.get(key)

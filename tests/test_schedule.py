@@ -193,14 +193,14 @@ def test_schedule_of_nested_groups():
     inside its own, the parent reduce-scattered last. A group of two modules with another group's module between
     them encloses that group the same way. Backward prefetch follows that order."""
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    plan = _pure_plan(nested, [("0", ("0",), ("0.0.weight", "0.0.bias")), ("0.1", ("0.1",), ("0.1.weight", "0.1.bias"))])
+    groups = [("0", ("0",), ("0.0.weight", "0.0.bias")), ("0.1", ("0.1",), ("0.1.weight", "0.1.bias"))]
+    plan = _pure_plan(nested, groups)
     lines = [line.split(" (")[0] for line in schedule(plan).lines()]
     assert lines == ["all-gather 0", "all-gather 0.1", "free 0.1", "free 0", "-- backward --", "all-gather 0",
                      "all-gather 0.1", "reduce-scatter 0.1, free it", "reduce-scatter 0, free it"]
     assert schedule(plan).most_unsharded() == 2  # prefetch 0: the parent beside its child
     assert plan.prefetch_after("", backward=True) == ()
-    deep = _pure_plan(nested, [("0", ("0",), ("0.0.weight", "0.0.bias")), ("0.1", ("0.1",), ("0.1.weight", "0.1.bias"))],
-                      prefetch=1)
+    deep = _pure_plan(nested, groups, prefetch=1)
     assert deep.prefetch_after("", backward=True) == ("0",) and deep.prefetch_after("0", backward=True) == ("0.1",)
     # a group of modules 0 and 2 around group 1 (module 1): open at 0, closed after 2
     three = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))

@@ -3,9 +3,10 @@
 Forward: the plan's prefetch (``Plan.prefetch_after``: the next groups in the plan's order, or explicit lists).
 Backward: the groups this forward ran, in reverse of the order their forwards finished in (FSDP2's reverse
 post-forward order: a parent group, whose pass closes after the groups nested in it, comes before them), unless
-the plan has an explicit backward list for the group. Each group's enclosing groups (those whose pass was open when its
-own opened) are recorded for ``Step.pre_backward``, which runs theirs before its own. Groups the forward prefetch gathered but the forward never used
-(skipped blocks, another order) are freed when the forward ends, not at the end of backward.
+the plan has an explicit backward list for the group. Each group's enclosing groups (those whose pass was open when
+its own opened) are recorded for ``Step.pre_backward``, which runs theirs before its own. Groups the forward
+prefetch gathered but the forward never used (skipped blocks, another order) are freed when the forward ends, not
+at the end of backward.
 """
 
 from __future__ import annotations
