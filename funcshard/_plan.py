@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from funcshard._collectives import check_timeout
 from funcshard._comm import CommHook, check_comm, check_extension, wire_nbytes
 from funcshard._compat import dtensor_local
-from funcshard._schedule import label, schedule
+from funcshard._schedule import label, passes, schedule
 from funcshard._mesh import (
     axis_name,
     dp_axes,
@@ -209,8 +209,9 @@ class Plan:
                        ) -> tuple[str, ...]:
         """Names of the groups whose all-gather is issued when group ``name`` starts (forward or backward): its
         explicit list if it has one, else the next ``depth`` groups in the plan's order (backward: reversed).
-        ``ran``: the order the groups' forwards actually ran in (backward prefetch follows it, as FSDP2 records
-        it), when it is known. The one rule the runtime and the schedule both use."""
+        ``ran``: the order the groups' forwards actually ran in (backward: the order they finished in; backward
+        prefetch follows its reverse, as FSDP2 records it), when it is known. The one rule the runtime and the
+        schedule both use."""
         cache = self.derived("prefetch_after", lambda _: {})
         key = (name, backward, ran)
         hit = cache.get(key)
@@ -222,7 +223,10 @@ class Plan:
         lists = self.backward_prefetch_lists if backward else self.forward_prefetch_lists
         if name in lists:
             return tuple(lists[name])
-        order = list(ran) if ran else [g.name for g in self.groups if not g.is_root]
+        if ran:
+            order = list(ran)
+        else:  # (backward: the order the passes close in, a parent after its children: _schedule.passes)
+            order = list(passes(self).closed) if backward else [g.name for g in self.groups if not g.is_root]
         if backward:
             order = order[::-1]
         depth = self.backward_prefetch if backward else self.forward_prefetch

@@ -4,9 +4,15 @@ The only place that computes them. ``Plan.collective_order()`` prints :meth:`Sch
 takes its group sizes from here, and the runtime's bucket layouts (``_collectives.Buckets``) size their
 all-gathers and reduce-scatters with :func:`bucket_sizes`, the function the schedule sizes them with.
 
-The order is the one the runtime issues when the groups' modules run in plan order: forward, each group gathered
-when it starts (or earlier, by a prefetch), freed after its forward if it reshards; backward, in reverse, each
-group gathered before its backward, reduce-scattered and freed after it; the root group last.
+The order is the one the runtime issues when the groups' modules run in plan order, each called inside its parent
+module's forward (:func:`passes`): forward, each group gathered when its pass opens (or earlier, by a prefetch), freed
+when it closes if it reshards; a group whose module contains another group's module (a parent) stays gathered while
+the nested group runs, as in FSDP2, so it is unsharded beside it. Backward runs the passes in reverse of the order they
+closed in (FSDP2's reverse post-forward order): a group is gathered before its backward (the gradient reaches a
+parent's outputs before its children's), the groups it encloses run their backward inside its own, and it is
+reduce-scattered and freed after them (its parameters' gradients complete after its children's: the usual case, a
+parent that uses its parameters before it calls its children). A group's all-reduce over the replicate axis (HSDP)
+follows its reduce-scatter before any later all-gather. The root group is gathered first and reduce-scattered last.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 
 from funcshard._policy import compute_dtype, reduce_dtype_of
 from funcshard._spec import ShardSpec
@@ -24,7 +31,7 @@ from funcshard._spec import ShardSpec
 if TYPE_CHECKING:
     from funcshard._plan import Plan
 
-__all__ = ["Collective", "Op", "Schedule", "bucket_sizes", "schedule"]
+__all__ = ["Collective", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -176,6 +183,24 @@ class Schedule:
     def unsharded_nbytes(self, group: str) -> int:
         return dict(self.group_nbytes)[group]
 
+    def most_unsharded(self) -> int:
+        """The most non-root groups unsharded at once along the step: a group counts from its all-gather's issue
+        (its buffers are allocated then) to its free or its reduce-scatter (which frees it unless it stays
+        gathered). ``prefetch + 1`` for groups that do not nest, more with nested ones (a parent stays gathered
+        while the groups inside it run)."""
+        root = self.group_nbytes[0][0] if self.group_nbytes else ""
+        held: set[str] = set()
+        most = 0
+        for op in self.ops:
+            if op.group is None or op.group == root:
+                continue
+            if op.kind == ALL_GATHER:
+                held.add(op.group)
+                most = max(most, len(held))
+            elif op.kind == FREE or (op.kind == REDUCE_SCATTER and not op.why):
+                held.discard(op.group)
+        return most
+
     def kept_after_forward(self) -> int:
         """Bytes of unsharded parameters a rank holds between forward and backward, beyond its shards: the groups
         not resharded after forward in full, those resharded to ``k`` ranks a ``k``-th (what the memory between the
@@ -221,6 +246,73 @@ def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
             and (s.dtype.is_floating_point or s.dtype.is_complex)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """The non-root groups' forward passes as the runtime's ``ForwardTracker`` sees them when the modules run in
+    plan order, each inside its parent module's forward: a group's pass opens when its first module starts and
+    closes when all of its modules have finished.
+
+    Attributes:
+        forward: ``("open" | "close", group)`` in the order they happen.
+        closed: the groups in the order their passes close (post-forward); backward runs them in reverse
+            (``Plan.prefetch_after``'s default backward order, FSDP2's reverse post-forward order).
+        enclosing: per group, the groups whose pass was open when its own opened, outermost first (its parents:
+            gathered while it runs, in forward and in backward).
+    """
+
+    forward: tuple[tuple[str, str], ...]
+    closed: tuple[str, ...]
+    enclosing: dict[str, tuple[str, ...]]
+
+
+def passes(plan: Plan) -> Passes:
+    """The plan's forward passes (made once per plan)."""
+    return plan.derived("passes", _passes)
+
+
+def _calls(plan: Plan, groups: Sequence) -> list[tuple[str, str]]:
+    """``(module path, group)`` in the order the group modules' forwards start: the module tree's order (a parent's
+    before its children's) when it opens the groups in the plan's order; else (``Plan.with_order``, or modules the
+    plan's module does not have) the plan's order, each group's modules in turn."""
+    paths = [(m, g.name) for g in groups for m in g.modules]
+    index = {n: i for i, (n, _) in enumerate(plan.module.named_modules())} if isinstance(plan.module, nn.Module) else {}
+    if all(m in index for m, _ in paths):
+        calls = sorted(paths, key=lambda c: index[c[0]])
+        if list(dict.fromkeys(n for _, n in calls)) == [g.name for g in groups]:
+            return calls
+    return paths
+
+
+def _passes(plan: Plan) -> Passes:
+    groups = [g for g in plan.groups if not g.is_root]
+    modules = {g.name: set(g.modules) for g in groups}
+    forward: list[tuple[str, str]] = []
+    closed: list[str] = []
+    enclosing: dict[str, tuple[str, ...]] = {}
+    running: dict[str, set[str]] = {}  # group -> its modules still to finish in its open pass
+    stack: list[tuple[str, str]] = []  # the module forwards under way, innermost last
+
+    def finish() -> None:
+        path, name = stack.pop()
+        left = running[name]
+        left.discard(path)
+        if not left:
+            forward.append(("close", name))
+            closed.append(name)
+
+    for path, name in _calls(plan, groups):
+        while stack and not path.startswith(stack[-1][0] + "."):  # (not called inside that module)
+            finish()
+        if not running.get(name):
+            enclosing[name] = tuple(n for e, n in forward if e == "open" and running.get(n))
+            forward.append(("open", name))
+            running[name] = set(modules[name])
+        stack.append((path, name))
+    while stack:
+        finish()
+    return Passes(tuple(forward), tuple(closed), enclosing)
+
+
 def _build(plan: Plan) -> Schedule:
     specs = {g.name: [plan.specs[p] for p in g.params] for g in plan.groups}
     gathers = {g.name: _collectives(ALL_GATHER, g, specs[g.name], plan) for g in plan.groups}
@@ -231,6 +323,7 @@ def _build(plan: Plan) -> Schedule:
     gathered: set[str] = set()
     resharded: set[str] = set()  # groups kept sharded over k ranks after forward: their next gather runs on k
     empty = {g.name for g in plan.groups if not g.params}
+    fwd = passes(plan)
 
     def ag(name: str, why: str) -> None:
         if name not in gathered and name not in empty:
@@ -250,31 +343,45 @@ def _build(plan: Plan) -> Schedule:
         else:
             ops.append(Op(FREE, g.name))
 
-    for g in plan.groups:
-        ag(g.name, "")
-        for p in plan.prefetch_after(g.name):
-            ag(p, f"prefetch, while {label(g.name)} computes")
-        if g.reshard_after_forward and not g.is_root and g.name not in empty:
-            free_after_forward(g)
     root = plan.groups[0]
+    ag(root.name, "")
+    for p in plan.prefetch_after(root.name):
+        ag(p, f"prefetch, while {label(root.name)} computes")
+    for event, name in fwd.forward:
+        g = plan.group(name)
+        if event == "open":
+            ag(name, "")
+            for p in plan.prefetch_after(name):
+                ag(p, f"prefetch, while {label(name)} computes")
+        elif g.reshard_after_forward and name not in empty:
+            free_after_forward(g)
     if root.reshard_after_forward:
         free_after_forward(root)
     ops.append(Op(BACKWARD))
+
     def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
         return "" if g.reshard_after_backward else "keep it gathered (reshard_after_backward=False)"
 
-    for g in (root, *reversed(plan.groups[1:])):
+    def reduce_scatter(g) -> None:
+        if g.name not in empty:
+            ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
+            if g.reshard_after_backward:
+                gathered.discard(g.name)
+
+    inside: list[str] = []  # the groups whose backward is under way, innermost last
+    for g in (root, *(plan.group(n) for n in reversed(fwd.closed))):
+        while inside and inside[-1] not in fwd.enclosing.get(g.name, ()):  # its backward is done
+            reduce_scatter(plan.group(inside.pop()))
         if g.unshard_in_backward:  # (False: its backward reads no parameters, nothing is gathered for it)
             ag(g.name, "" if g.is_root else "before its backward")
         for p in plan.prefetch_after(g.name, backward=True):
             if plan.group(p).unshard_in_backward:
                 ag(p, f"prefetch, while {label(g.name)} computes")
-        if not g.is_root and g.name not in empty:
-            ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
-            if g.reshard_after_backward:
-                gathered.discard(g.name)
-    if root.name not in empty:
-        ops.append(Op(REDUCE_SCATTER, root.name, kept(root), reduces[root.name]))
+        if not g.is_root:
+            inside.append(g.name)
+    while inside:
+        reduce_scatter(plan.group(inside.pop()))
+    reduce_scatter(root)
     kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
                  for g in plan.groups)
     return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups),

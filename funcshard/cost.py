@@ -362,6 +362,8 @@ class _Replay:
         """Issue the group's all-gather if it is sharded (``GroupBuffers.issue``)."""
         if self.state[name] != "sharded" or name in self.empty:
             return
+        if self.rs is not None and self.rs[4]:  # HSDP: the reduce-scatter in flight is taken first (before_gather)
+            self.finish_rs()
         op = self.ops.take(ALL_GATHER, name)
         nbytes = sum(c.nbytes for c in op.collectives)
         if self.flat and name not in self.post:  # the all-gather writes into the parameters' own buffer

@@ -16,9 +16,9 @@ reference is one process, full parameters, plain autograd on the unsharded modul
 the gradients summed in rank order and divided by the number of ranks. Checked: each rank's loss bit for bit (the
 forward runs the same full parameters through the same ops), the gradients (below), the buffers updated in forward
 bit for bit, and the collectives each process group ran equal to the plan's schedule (``Plan.collective_order``'s
-source), in order, process group size, dtype and size (``fully_shard``: the schedule of the plan it built). With
-nested groups the order is not checked, only the collectives as a multiset: see
-``test_nested_groups_backward_order_is_the_schedules`` (an xfail, found here). ``fully_shard`` refuses 0-dim
+source), in order, process group size, dtype and size (``fully_shard``: the schedule of the plan it built), nested
+groups and HSDP included (two orders these cases found: ``test_nested_groups_backward_order_is_the_schedules``,
+``test_hsdp_backward_order_is_the_schedules``). ``fully_shard`` refuses 0-dim
 parameters (FSDP2's rule) and a parameter tied across units (``plan`` puts it in the root group): a case with either
 checks that error instead.
 
@@ -314,8 +314,6 @@ def run_case(case: Case):
     out = _functional(case)
     plan = funcshard.plan(build(case), _mesh(case), groups=group_policy(case))
     units = [g.modules for g in plan.groups if not g.is_root]
-    inside = [m for ms in units for m in ms]
-    out["nested"] = any(b.startswith(a + ".") for a in inside for b in inside)
 
     def unit_of(param_path):  # the innermost unit holding the parameter's module (None: the root's)
         mod = param_path.rpartition(".")[0]
@@ -348,25 +346,18 @@ def assert_grads_close(got: dict, want: dict, world: int, what: str):
         torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}")
 
 
-def same_collectives(issued, planned, nested, interleaved):
-    """The issued collectives are the planned ones: each process group's in order (a group: its mesh axis and size),
-    and all of them in order unless ``interleaved`` (HSDP without backward prefetch: the order across the two
-    axes differs, ``test_hsdp_backward_order_is_the_schedules``). With nested groups as a multiset only: a parent
-    group is gathered for backward when the gradient reaches its outputs, before its child's backward, which the
-    schedule does not model (``test_nested_groups_backward_order_is_the_schedules``)."""
-    if nested:
-        return sorted(issued, key=str) == sorted(planned, key=str)
+def same_collectives(issued, planned):
+    """The issued collectives are the planned ones, in order: each process group's (a group: its mesh axis and
+    size), and all of them across the groups."""
     groups = {c[1:3] for c in issued + planned}
     per_group = all([c for c in issued if c[1:3] == g] == [c for c in planned if c[1:3] == g] for g in groups)
-    return per_group and (interleaved or issued == planned)
+    return per_group and issued == planned
 
 
 def check(case: Case):
     want_losses, want_grads, want_buffers = reference(case)
     results = run_ranks(case.world, run_case, case)
     scalar = [n for n, p in build(case).named_parameters() if p.dim() == 0]
-    backward_depth = case.prefetch if case.backward_prefetch is None else case.backward_prefetch
-    interleaved = len(case.mesh) == 2 and backward_depth == 0
     for r, res in enumerate(results):
         fs = res["fully_shard"]
         refusals = []  # what fully_shard refuses, by design: whichever its calls meet first
@@ -385,7 +376,7 @@ def check(case: Case):
         for path, got in [("apply", res)] + [("fully_shard", fs)] * (not skip):
             assert got["loss"] == want_losses[r], (path, "loss", r, got["loss"], want_losses[r])
             assert_grads_close(got["grads"], want_grads, case.world, f"{path} rank {r}")
-            assert same_collectives(got["issued"], got["planned"], res["nested"], interleaved), (
+            assert same_collectives(got["issued"], got["planned"]), (
                 path, "collectives", r, got["issued"], got["planned"])
             for n, b in want_buffers[r].items():
                 assert torch.equal(got["buffers"][n], b), (path, "buffer", r, n)
@@ -523,44 +514,97 @@ def _nested_order(fully_shard, prefetch=0, residual=False):
     return _apply_step(funcshard.plan(model, mesh, groups=["0", "0.inner"], prefetch=prefetch), x)
 
 
-def _apply_step(plan, x):
-    """One value_and_grad step of ``apply``: (the collectives issued, the schedule's, the printed order)."""
+def _apply_step(plan, x, transform="value_and_grad"):
+    """One step of ``apply`` under ``funcshard.value_and_grad`` (plain autograd) or ``torch.func.grad``: (the
+    collectives issued, the schedule's, the printed order)."""
     import funcshard
     from test_mesh2d import GroupCollectives
 
     state = funcshard.shard(plan)
+    fn = lambda s: funcshard.apply(plan, s, x).square().sum()  # noqa: E731
     with GroupCollectives() as rec:
-        funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+        (funcshard.value_and_grad(fn) if transform == "value_and_grad" else torch.func.grad(fn))(state)
     return _issued(rec, plan.mesh), _planned(plan), plan.collective_order()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 repro (tests/test_random.py::_nested_order): with nested groups "
-                   "the backward collectives come in another order than the schedule's (the printed plan, "
-                   "funcshard.cost): the parent's all-gather before its child's when the parent adds its input to "
-                   "the child's output (the gradient reaches the parent's outputs first, FSDP2's pre-backward hook "
-                   "point), and at prefetch 0 the child's reduce-scatter after the parent's all-gather; at prefetch 0 "
-                   "both groups are then gathered at once, above the schedule's bound of prefetch + 1")
 @pytest.mark.parametrize("path,prefetch,residual", [("apply", 0, False), ("apply", 1, True), ("fully_shard", 1, True)])
 def test_nested_groups_backward_order_is_the_schedules(path, prefetch, residual):
+    """Issue 21: a group whose module contains another's (a parent). Its pass encloses the child's: gathered first,
+    freed after it in forward; in backward the gradient reaches the parent's outputs first (its hook, or, when it
+    returns the child's output itself, the child's hook runs the parent's pre-backward first), the child runs its
+    backward inside the parent's, and the parent is reduce-scattered after it. The schedule prints that order."""
     issued, planned, printed = run_ranks(2, _nested_order, path == "fully_shard", prefetch, residual)[0]
-    assert sorted(issued, key=str) == sorted(planned, key=str)  # the same collectives ...
-    assert issued == planned, (issued, planned, printed)  # ... in another order
+    assert issued == planned, (issued, planned, printed)
+    if path == "apply":
+        lines = [line.split(" (")[0] for line in printed]
+        assert lines == ["all-gather 0", "all-gather 0.inner", "free 0.inner", "free 0", "-- backward --",
+                         "all-gather 0", "all-gather 0.inner", "reduce-scatter 0.inner, free it",
+                         "reduce-scatter 0, free it"], printed
 
 
-def _hsdp_order(prefetch):
+def _hsdp_order(prefetch, layers=2, transform="value_and_grad"):
     import funcshard
     from models import MLP, Block
 
     torch.manual_seed(0)
-    plan = funcshard.plan(MLP(layers=2), _mesh(Case(0, 4, Node(), mesh=(2, 2))), groups=(Block,), prefetch=prefetch)
-    return _apply_step(plan, torch.randn(2, 7))
+    plan = funcshard.plan(MLP(layers=layers), _mesh(Case(0, 4, Node(), mesh=(2, 2))), groups=(Block,),
+                          prefetch=prefetch)
+    return _apply_step(plan, torch.randn(2, 7), transform)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 repro (tests/test_random.py::_hsdp_order): HSDP (2x2 mesh) at "
-                   "backward prefetch 0: the runtime issues blocks.0's backward all-gather (shard axis) before "
-                   "blocks.1's all-reduce (replicate axis); the schedule (the printed plan, funcshard.cost) has the "
-                   "all-reduce first. Each process group's own sequence is the schedule's (checked here first)")
-def test_hsdp_backward_order_is_the_schedules():
-    issued, planned, printed = run_ranks(4, _hsdp_order, 0)[0]
-    assert same_collectives(issued, planned, nested=False, interleaved=True)  # per process group: the schedule's
-    assert issued == planned, (issued, planned, printed)  # across the two axes: not
+@pytest.mark.parametrize("prefetch,layers,transform", [(0, 2, "value_and_grad"), (1, 3, "value_and_grad"),
+                                                       (1, 3, "torch.func")])
+def test_hsdp_backward_order_is_the_schedules(prefetch, layers, transform):
+    """Issue 21: HSDP (2x2 mesh). Each group's all-reduce over the replicate axis comes right after its
+    reduce-scatter, before the next all-gather (blocks.0's, at backward prefetch 0; a prefetch's with 3 blocks), in
+    every path: plain autograd defers the reduce-scatter to overlap the next group's backward, and took it (issuing
+    the all-reduce) only after that group's all-gather; torch.func.grad's reduce-scatters finish at once."""
+    issued, planned, printed = run_ranks(4, _hsdp_order, prefetch, layers, transform)[0]
+    assert same_collectives(issued, planned), (issued, planned, printed)
+    kinds = [c[0] for c in issued]
+    assert kinds.count("reduce-scatter") == layers + 1  # the blocks' and the root's, each followed by its all-reduce
+    assert all(n == "all-reduce" for k, n in zip(kinds, kinds[1:]) if k == "reduce-scatter")
+
+
+def _most_unsharded(kind, prefetch, residual=False):
+    """One step on this rank: (the most non-root groups the runtime held unsharded at once, from its events: an
+    all-gather issued allocates the group's buffers, a free releases them; the schedule's ``most_unsharded``)."""
+    import funcshard
+    from funcshard._runtime.observe import LISTENERS
+    from funcshard._schedule import schedule
+    from models import MLP, Block
+
+    torch.manual_seed(0)
+    mesh = _mesh(Case(0, 4, Node(), mesh=(dist.get_world_size(),)))
+    if kind == "nested":  # a parent group around its child
+        plan, x = funcshard.plan(nn.Sequential(_Outer(residual)), mesh, groups=["0", "0.inner"], prefetch=prefetch), \
+            torch.randn(2, 4)
+    else:  # three blocks side by side
+        plan, x = funcshard.plan(MLP(layers=3), mesh, groups=(Block,), prefetch=prefetch), torch.randn(2, 7)
+    held, most = set(), [0]
+
+    def listen(event, group, _obj):
+        if group != "" and event == "all-gather issued":
+            held.add(group)
+            most[0] = max(most[0], len(held))
+        elif event == "freed":
+            held.discard(group)
+
+    state = funcshard.shard(plan)
+    LISTENERS.append(listen)
+    try:
+        funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x).square().sum())(state)
+    finally:
+        LISTENERS.remove(listen)
+    return most[0], schedule(plan).most_unsharded()
+
+
+@pytest.mark.parametrize("kind,prefetch,residual,bound", [("nested", 0, False, 2), ("nested", 0, True, 2),
+                                                          ("nested", 1, True, 2), ("blocks", 0, False, 1),
+                                                          ("blocks", 1, False, 2)])
+def test_groups_unsharded_at_once_are_the_schedules(kind, prefetch, residual, bound):
+    """Issue 21: the most groups unsharded at once is the schedule's: prefetch + 1 side by side; a parent group
+    stays gathered while its child runs (forward and backward, as in FSDP2), so nested groups at prefetch 0 hold
+    two, never more (the schedule used to show the parent freed before its child was gathered: one)."""
+    for got, predicted in run_ranks(2, _most_unsharded, kind, prefetch, residual):
+        assert got == predicted == bound, (got, predicted)

@@ -176,3 +176,41 @@ def test_schedule_bytes_of_mixed_dtypes():
     assert step.totals() == {"all-gather": 32 + 2 * (36 + 88 + 32) + 2 * 16, "reduce-scatter": 36 + 24 + 32}
     assert [c.kind for c in step.collectives()] == ["all-gather"] * 9 + ["reduce-scatter"] * 3
     assert step.unsharded_nbytes("a") == 6 * 3 * 2 + 6 * 4 + 4 * 4 * 4 + 4 * 8
+
+
+def _pure_plan(module, groups, prefetch=0):
+    """A plan over no process group (world 2 in the specs): groups as (name, modules, parameter paths)."""
+    specs = {p: _spec(p, tuple(t.shape)) for p, t in module.named_parameters()}
+    made = [Group("", ("",), tuple(p for p in specs if not any(p in ps for _, _, ps in groups)), False)]
+    made += [Group(n, ms, ps, True) for n, ms, ps in groups]
+    return Plan(module=module, mesh=None, shard_axis=0, specs=specs, groups=tuple(made), forward_prefetch=prefetch,
+                backward_prefetch=prefetch)
+
+
+def test_schedule_of_nested_groups():
+    """A group whose module contains another's (issue 21): its pass encloses the child's (gathered before it, freed
+    after it); backward in reverse of the order the passes closed: the parent gathered first, the child's backward
+    inside its own, the parent reduce-scattered last. A group of two modules with another group's module between
+    them encloses that group the same way. Backward prefetch follows that order."""
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    groups = [("0", ("0",), ("0.0.weight", "0.0.bias")), ("0.1", ("0.1",), ("0.1.weight", "0.1.bias"))]
+    plan = _pure_plan(nested, groups)
+    lines = [line.split(" (")[0] for line in schedule(plan).lines()]
+    assert lines == ["all-gather 0", "all-gather 0.1", "free 0.1", "free 0", "-- backward --", "all-gather 0",
+                     "all-gather 0.1", "reduce-scatter 0.1, free it", "reduce-scatter 0, free it"]
+    assert schedule(plan).most_unsharded() == 2  # prefetch 0: the parent beside its child
+    assert plan.prefetch_after("", backward=True) == ()
+    deep = _pure_plan(nested, groups, prefetch=1)
+    assert deep.prefetch_after("", backward=True) == ("0",) and deep.prefetch_after("0", backward=True) == ("0.1",)
+    # a group of modules 0 and 2 around group 1 (module 1): open at 0, closed after 2
+    three = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    plan = _pure_plan(three, [("0", ("0", "2"), ("0.weight", "0.bias", "2.weight", "2.bias")),
+                              ("1", ("1",), ("1.weight", "1.bias"))])
+    lines = [line.split(" (")[0] for line in schedule(plan).lines()]
+    assert lines == ["all-gather 0", "all-gather 1", "free 1", "free 0", "-- backward --", "all-gather 0",
+                     "all-gather 1", "reduce-scatter 1, free it", "reduce-scatter 0, free it"], lines
+    # the plan's order differs from the module tree's (Plan.with_order): the plan's order, no nesting
+    plan = _pure_plan(three, [("1", ("1",), ("1.weight", "1.bias")), ("0", ("0",), ("0.weight", "0.bias"))])
+    assert [line.split(" (")[0] for line in schedule(plan).lines()] == [
+        "all-gather <root>", "all-gather 1", "free 1", "all-gather 0", "free 0", "-- backward --", "all-gather 0",
+        "reduce-scatter 0, free it", "all-gather 1", "reduce-scatter 1, free it", "reduce-scatter <root>, free it"]

@@ -52,6 +52,16 @@ class ReduceQueue(Part):
             emit("reduce-scatter issued", name, pending)
         return pending
 
+    def before_gather(self) -> None:
+        """An all-gather is about to be issued: a reduce-scatter in flight whose output is all-reduced over the
+        replicate axis (HSDP) is taken first, so that its all-reduce comes before the all-gather, in every path (the
+        schedule's order and FSDP2's, which issues the all-reduce right after the reduce-scatter; on gloo the
+        all-reduce can only start once the reduce-scatter is done). Its buffers are freed before the all-gather's
+        are allocated. Without a replicate axis nothing is taken: the reduce-scatter keeps running while the next
+        group's backward computes."""
+        if self.item is not None and self.item[1].replicate is not None:
+            self.finish()
+
     def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
         self.item = (name, pending, factor, sink, extra)
 

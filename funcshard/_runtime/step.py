@@ -144,6 +144,8 @@ class Step:
         self.done = False  # a backward of this step completed
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
+        self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward
+        self.ran_early: set[str] = set()  # groups whose pre-backward ran ahead of their own hook (pre_backward)
         self.checks = Checks(self)
 
     # ---- the group lifecycle (every gather and free goes through these) ----------------------------------------
@@ -167,6 +169,8 @@ class Step:
         gb = self.groups[name]
         if gb.status is not Status.SHARDED:
             return
+        if gb.shards:
+            self.reduce_queue.before_gather()
         if gb.shards and self.checks.sequence:
             kind = "re-gather" if gb.post is not None else "all-gather"
             self.checks.collective(f"{kind} of group {name!r} ({self.phase()})")
@@ -295,6 +299,8 @@ class Step:
         if self.in_forward:
             first = name not in self.tracker.used
             opened = self.tracker.enter(name)
+            if opened:
+                self.prefetcher.opened(name, [n for n in self.tracker.running if self.tracker.is_open(n)])
             if (first or self.groups[name].status is not Status.GATHERED  # first use, or again after a reshard
                     or (torch.is_grad_enabled() and not self.nodes.groups[name].views_grad)):  # or used under no_grad
                 self.gather_for_forward(name)
@@ -354,6 +360,7 @@ class Step:
             self.nodes.gather(name, self.relay.tokens_for(name) if relayed else None)
 
     def post_forward(self, name: str, output: Any) -> Any:
+        self.prefetcher.closed(name)
         self.swap_out(name)
         self.nodes.loosen(name)
         self.reshard_after_forward(name)
@@ -366,6 +373,7 @@ class Step:
         self.checks.collective("end of forward")
         self.checks.post()
         for name in self.tracker.unfinished():
+            self.prefetcher.closed(name)
             self.swap_out(name)
             self.reshard_after_forward(name)
         for name in self.prefetcher.unused():
@@ -411,6 +419,8 @@ class Step:
         task = _graph_task_id()
         if self.backward_task != task:  # by task: a backward that raised half-way never ran its callback
             self.backward_started, self.backward_task = True, task
+            self.pre_backward_ran.clear()
+            self.ran_early.clear()
             queue_callback(self.end_of_backward)
             self.checks.agree()  # (before any collective of the backward: see _runtime.check)
 
@@ -420,7 +430,26 @@ class Step:
         return self.backward_started and _graph_task_id() == self.backward_task
 
     def pre_backward(self, name: str) -> None:
+        """The gradient reached the group's outputs: gather it (and prefetch). The groups enclosing it (the root, and
+        those whose forward pass was open when its own opened) run theirs first if they have not yet in this
+        backward: a group nested in another returns the tensor its parent returns, and the child's hook, registered
+        first, fires first there; the parent is gathered before it either way, the schedule's order (and the reverse
+        of the order the passes closed in, which backward prefetch follows)."""
         self.begin_backward()
+        gb = self.groups[name]
+        if name in self.ran_early:  # ran before a nested group's: done, unless freed since (another use)
+            self.ran_early.discard(name)
+            if not (gb.shards and gb.group.unshard_in_backward and gb.status is Status.SHARDED):
+                return
+        if name != ROOT:
+            for outer in (ROOT, *self.prefetcher.enclosing.get(name, ())):
+                if outer not in self.pre_backward_ran:
+                    self.ran_early.add(outer)
+                    self._pre_backward(outer)
+        self._pre_backward(name)
+
+    def _pre_backward(self, name: str) -> None:
+        self.pre_backward_ran.add(name)
         self.unshard(name)
         self.wait(name)
         gb = self.groups[name]
