@@ -31,6 +31,7 @@ from funcshard._collectives import (
     unwrapped,
 )
 from funcshard._compat import unsafe_preserve_version_counter
+from funcshard._offload import to_device
 from funcshard._plan import Group
 from funcshard._runtime.observe import LISTENERS, emit
 
@@ -45,10 +46,12 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post", "grad_mask")
+                 "pending", "versions", "frozen", "trainable", "post", "grad_mask", "compute_device")
 
-    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor]):
+    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor],
+                 compute_device: torch.device | None = None):
         self.group = group
+        self.compute_device = compute_device  # (an offloaded group's shards are on the host: gathered here)
         self.layout = layout
         self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
         grad = [t.requires_grad for t in self.shards]
@@ -70,6 +73,9 @@ class GroupBuffers:
 
     @property
     def device(self) -> torch.device:
+        """Where the group is gathered and computes: its shards' device, the mesh's for an offloaded group."""
+        if self.group.offload_to_cpu and self.compute_device is not None:
+            return self.compute_device
         return self.shards[0].device
 
     def issue(self, pg, rank: int, where: Where | None = None) -> None:
@@ -93,8 +99,10 @@ class GroupBuffers:
             flat = self.flat_shards
             if flat is None:
                 plain = list(map(unwrapped, self.shards))
-                flat = self.layout.flat_shards(plain)
-                if all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy would be stale later)
+                moved = to_device(plain, self.device) if self.group.offload_to_cpu else plain  # (host shards)
+                flat = self.layout.flat_shards(moved)
+                if moved is plain and all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy
+                    # would be stale later)
                     self.flat_shards = flat
             if self.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self.allocate()
