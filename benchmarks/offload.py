@@ -7,12 +7,14 @@ FSDP2 and funcshard's fully_shard without and with ``CPUOffloadPolicy(pin_memory
 (``plan`` + ``value_and_grad`` + ``optim.step``) without offload, with ``plan(offload_policy=...)``, and with
 ``optim.offload(adamw, plan)`` (moments on the host, stepped group by group).
 
-Memory: ``tests/memtrack.PeakBytes`` (live tensor storages under a dispatch mode) over one step, ignoring the host
-state (what the offload keeps on the host: sharded parameters, their persistent ``.grad``, optimizer state; nothing
+Memory: ``benchmarks/instruments.LiveBytes`` (the storages reachable from the system at entry plus those the step
+allocates, under a dispatch mode) over one step, without the host state (what the offload keeps on the host: sharded parameters, their persistent ``.grad``, optimizer state; nothing
 for the runs without offload). On this CPU-only machine the host is the device, so this is what the device would hold;
 on CUDA the device also holds the copies in flight (one group's shards before its all-gather, one group's gradient
 shards before their copy out, with ``optim.offload`` two groups' moments). The functional path's gradients are new
-tensors each step, counted (an upper bound: on CUDA they are host tensors). Time: median of the slowest rank's step
+tensors each step, counted (an upper bound: on CUDA they are host tensors). With ``CPUOffloadPolicy`` the optimizer
+steps on the host: the peak covers forward and backward (the step's temporaries are host memory); otherwise it covers
+the optimizer step too. Time: median of the slowest rank's step
 over interleaved repeats; no copies happen on CPU, so the ratios measure the bookkeeping only.
 """
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -35,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import funcshard  # noqa: E402
 from funcshard import optim  # noqa: E402
 from funcshard.demo import GPT, Block  # noqa: E402
-from memtrack import PeakBytes  # noqa: E402
+from instruments import LiveBytes, _storages  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 
 CFG = dict(vocab=256, d=128, heads=4, layers=6, seq=64)
@@ -63,13 +65,15 @@ def _module_system(fs, offload):
     fs.fully_shard(model, mesh=mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
-    def step(i):
+    def fwd_bwd(i):
         x, y = _batch(i)
         loss = _loss(model(x), y)
         loss.backward()
+        return loss.item()
+
+    def update():
         opt.step()
         opt.zero_grad(set_to_none=False)  # (the .grad tensors persist: host state when offloaded)
-        return loss.item()
 
     def host():
         if not offload:
@@ -79,7 +83,7 @@ def _module_system(fs, offload):
         moments = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return locals_ + grads + moments
 
-    return step, host
+    return fwd_bwd, update, host, offload
 
 
 def _functional_system(kind):
@@ -92,11 +96,13 @@ def _functional_system(kind):
     box = {"state": funcshard.shard(plan)}
     box["opt"] = tx.init(box["state"])
 
-    def step(i):
+    def fwd_bwd(i):
         x, y = _batch(i)
-        loss, grads = funcshard.value_and_grad(lambda s: _loss(funcshard.apply(plan, s, x), y))(box["state"])
-        box["state"], box["opt"] = optim.step(tx, grads, box["opt"], box["state"], donate=True)
+        loss, box["grads"] = funcshard.value_and_grad(lambda s: _loss(funcshard.apply(plan, s, x), y))(box["state"])
         return loss.item()
+
+    def update():
+        box["state"], box["opt"] = optim.step(tx, box.pop("grads"), box["opt"], box["state"], donate=True)
 
     def host():
         moments = [t for t in optim_leaves(box["opt"]) if isinstance(t, torch.Tensor)]
@@ -104,13 +110,27 @@ def _functional_system(kind):
             return list(box["state"].values()) + moments
         return moments if kind == "optim" else []
 
-    return step, host
+    return fwd_bwd, update, host, kind == "offload"
 
 
 def optim_leaves(state):
     from funcshard._tree import tree_leaves
 
     return tree_leaves(state)
+
+
+class DeviceBytes(LiveBytes):
+    """``LiveBytes`` (everything reachable from the system at entry, plus what the step allocates) without the
+    storages of ``ignore``: the host state."""
+
+    def __init__(self, roots, ignore):
+        self.ignored = {id(st) for t in ignore for st in _storages(t)}  # (a DTensor: its local tensor's)
+        self._keep = list(ignore)  # (ids stay valid)
+        super().__init__(roots)
+
+    def _see(self, st):
+        if id(st) not in self.ignored:
+            super()._see(st)
 
 
 def _make(name):
@@ -125,20 +145,25 @@ def _run(repeats, steps):
     torch.set_num_threads(1)
     systems = {n: _make(n) for n in SYSTEMS}
     out = {n: {"times": [], "losses": []} for n in SYSTEMS}
-    for n, (step, host) in systems.items():  # warm-up: optimizer state and .grad exist afterwards
-        out[n]["losses"].append(step(0))
+    for n, (fwd_bwd, update, host, host_optimizer) in systems.items():  # warm-up: optimizer state, .grad exist
+        out[n]["losses"].append(fwd_bwd(0))
+        update()
         state = host()
-        with PeakBytes(ignore=state) as mem:
-            out[n]["losses"].append(step(1))
+        with DeviceBytes([fwd_bwd, update], ignore=state) as mem:
+            out[n]["losses"].append(fwd_bwd(1))
+            if not host_optimizer:  # (on the device: its temporaries count)
+                update()
+        if host_optimizer:  # (the optimizer steps on the host: nothing of it on the device)
+            update()
         out[n]["peak"] = mem.peak
-        out[n]["host"] = sum(t.untyped_storage().nbytes() for t in {id(t.untyped_storage()): t for t in state}
-                             .values())
+        out[n]["host"] = sum(st.nbytes() for st in {id(st): st for t in state for st in _storages(t)}.values())
     for r in range(repeats):
-        for n, (step, _) in systems.items():
+        for n, (fwd_bwd, update, _, _) in systems.items():
             dist.barrier()
             t = time.perf_counter()
             for s in range(steps):
-                out[n]["losses"].append(step(2 + r * steps + s))
+                out[n]["losses"].append(fwd_bwd(2 + r * steps + s))
+                update()
             dist.barrier()
             out[n]["times"].append((time.perf_counter() - t) / steps)
     return out
@@ -160,6 +185,8 @@ def main(argv=None) -> int:
         rows.append(f"| {n} | {statistics.median(times) * 1e3:.1f} | {ratio:.2f} | {peak / 2**20:.2f} | "
                     f"{peak / bpeak:.2f} | {host / 2**20:.2f} | {'yes' if same else 'NO'} |")
     ref_same = res[0]["fsdp2_offload"]["losses"] == res[0]["fully_shard_offload"]["losses"]
+    pairs = [max(r["fully_shard_offload"]["times"][i] for r in res) / max(r["fsdp2_offload"]["times"][i] for r in res)
+             for i in range(len(res[0]["fsdp2_offload"]["times"]))]
     table = "\n".join([
         f"GPT {CFG}, 2 gloo ranks, AdamW, {torch.__version__}; load average {_load()}.",
         "",
@@ -168,7 +195,10 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"fully_shard_offload losses = fsdp2_offload losses, bit for bit: {'yes' if ref_same else 'NO'}.",
+        f"fully_shard_offload losses = fsdp2_offload losses, bit for bit: {'yes' if ref_same else 'NO'}; its step "
+        f"time vs fsdp2_offload's: {statistics.median(pairs):.2f}x (paired median, range {min(pairs):.2f}-"
+        f"{max(pairs):.2f}); device-side peak vs fsdp2_offload's: "
+        f"{max(r['fully_shard_offload']['peak'] for r in res) / max(r['fsdp2_offload']['peak'] for r in res):.2f}.",
     ])
     print(table)
     if "--write" in argv:
