@@ -28,6 +28,7 @@ from funcshard._mesh import (
     model_sharding,
     spmd_dp_mesh,
 )
+from funcshard._offload import offload_fields, to_host
 from funcshard._policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -35,7 +36,6 @@ from funcshard._policy import (
     check_mp_policy,
     resolve_reshard_after_forward,
 )
-from funcshard._offload import offload_fields, to_host
 from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
