@@ -30,6 +30,7 @@ from funcshard._mesh import (
     resolve_mesh,
     spmd_dp_mesh,
 )
+from funcshard._offload import offload_fields
 from funcshard._policy import (
     MixedPrecisionPolicy,
     check_mp_policy,
@@ -69,6 +70,9 @@ class Group:
             fields, FSDP2's semantics): floating parameters are all-gathered and used in ``param_dtype``, their
             gradients reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and handed back in the shards'
             dtype; the group's modules get floating inputs cast to ``param_dtype`` and outputs to ``output_dtype``.
+        offload_to_cpu / pin_memory: CPU offload (``CPUOffloadPolicy``'s, FSDP2's semantics, ``_offload.py``): the
+            group's shards and gradients live on the host (pinned), copied to the device before the all-gather and
+            back after the reduce-scatter.
     """
 
     name: str
@@ -83,6 +87,8 @@ class Group:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     comm: CommHook | None = None
+    offload_to_cpu: bool = False
+    pin_memory: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -257,11 +263,14 @@ class Plan:
 
     def with_group(self, name: str, **changes: Any) -> Plan:
         """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``, or
-        ``mp_policy=MixedPrecisionPolicy(...)`` for its four precision fields."""
+        ``mp_policy=MixedPrecisionPolicy(...)`` for its four precision fields, ``offload_policy=CPUOffloadPolicy(...)``
+        for its offload fields."""
         self.group(name)
         if "mp_policy" in changes:  # (None: no mixed precision, as in plan())
             policy = changes.pop("mp_policy")
             changes.update(_mp_fields(MixedPrecisionPolicy() if policy is None else policy, f"group {name!r}"))
+        if "offload_policy" in changes:  # (None: no offload)
+            changes.update(offload_fields(changes.pop("offload_policy"), f"group {name!r}"))
         groups = tuple(dataclasses.replace(g, **changes) if g.name == name else g for g in self.groups)
         return self.replace(groups=groups)
 
@@ -293,7 +302,9 @@ class Plan:
                                               ("grad_divide_factor", g.grad_divide_factor),
                                               ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
                                               ("output_dtype", g.output_dtype),
-                                              ("cast_forward_inputs", g.cast_forward_inputs), ("comm", g.comm))
+                                              ("cast_forward_inputs", g.cast_forward_inputs), ("comm", g.comm),
+                                              ("offload", ("cpu, pinned" if g.pin_memory else "cpu")
+                                               if g.offload_to_cpu else None))
                     if v is not None and v is not True)
             )
             lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
@@ -340,6 +351,7 @@ def plan(
     grad_divide_factor: float | None = None,
     layout: str = "per_param",
     mp_policy: Any = None,
+    offload_policy: Any = None,
     timeout: float | None = None,
     check: bool = False,
     dp_mesh_dims: Any = None,
@@ -376,6 +388,8 @@ def plan(
             are 1-D pieces whose sizes differ between ranks (no DTensor placement describes them).
         mp_policy: a ``MixedPrecisionPolicy`` for every group (``plan.with_group(name, mp_policy=...)`` for one):
             see :class:`Group`. Shards, gradients and optimizer state stay in the parameters' dtype.
+        offload_policy: a ``CPUOffloadPolicy`` for every group (``plan.with_group(name, offload_policy=...)`` for
+            one): the groups' shards (``shard``) and gradients on the host, see :class:`Group`.
         timeout: seconds a step's collective may take before every waiting rank raises ``CollectiveTimeout``
             naming it (a dead or diverged rank); None: ``FUNCSHARD_TIMEOUT``, else 300. See :class:`Plan`.
         check: check mode (off by default): the ranks check that they run the same collectives in the same order
@@ -445,6 +459,9 @@ def plan(
         for q in g.params:
             t = named["params"][q]
             check_extension(dtensor_local(t) if isinstance(t, DTensor) else t, g.name, q)
+    if offload_policy is not None:
+        offload = offload_fields(offload_policy, "plan")
+        group_list = tuple(dataclasses.replace(g, **offload) for g in group_list)
     if layout == "flat":
         if shard_placement_fn is not None:
             raise ShardingError(

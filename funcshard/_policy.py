@@ -48,7 +48,8 @@ class OffloadPolicy:
 
 @dataclasses.dataclass
 class CPUOffloadPolicy(OffloadPolicy):
-    """Offload parameters, gradients and optimizer state to CPU. Not built yet: ``fully_shard`` raises."""
+    """Offload parameters, gradients and optimizer state to CPU (FSDP2's semantics; ``funcshard/_offload.py``):
+    sharded parameters and gradients on the host, pinned if ``pin_memory`` (needs an accelerator)."""
 
     pin_memory: bool = True
 

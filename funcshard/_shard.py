@@ -21,7 +21,8 @@ from funcshard._checkpoint_dcp import mark
 from funcshard._compat import dtensor_local, is_batchedtensor
 from funcshard._compile import runtime_boundary
 from funcshard._layout import expected_shards, full_layouts
-from funcshard._mesh import check_mesh, mesh_str
+from funcshard._mesh import check_mesh, device_of, mesh_str
+from funcshard._offload import host_keys, place_state
 from funcshard._plan import Plan, module_params
 from funcshard._spec import ShardingError
 
@@ -40,23 +41,26 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
     # The fast path (every call of apply): one pass comparing each shard with the plan's expectation.
     expect = expected_shards(plan)
     if len(state) == len(expect):
-        device_type, tensor = plan.mesh.device_type, torch.Tensor
+        device_type, tensor, host = plan.mesh.device_type, torch.Tensor, host_keys(plan)
         for k, v in state.items():
             e = expect.get(k)
             if (e is None or not isinstance(v, tensor) or v.shape != e[0] or v.dtype is not e[1]
-                    or v.device.type != device_type):
+                    or v.device.type != ("cpu" if k in host else device_type)):
                 break
         else:
             return
     problems = []
-    specs = plan.specs
+    specs, host = plan.specs, host_keys(plan)
     for k, v in state.items():
         spec = specs.get(k)
         if spec is None:
             problems.append(f"  {k}: not a parameter of this plan (extra key)")
         elif not isinstance(v, torch.Tensor):
             problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
-        elif v.device.type != plan.mesh.device_type:
+        elif k in host and v.device.type != "cpu":
+            problems.append(f"  {k}: on {v.device}, its group offloads to the host (CPUOffloadPolicy); make the state "
+                            f"with funcshard.shard(plan), which places it there")
+        elif k not in host and v.device.type != plan.mesh.device_type:
             problems.append(
                 f"  {k}: on {v.device}, the mesh is on {plan.mesh.device_type}; move the state with "
                 f"{{k: v.to(device) for k, v in state.items()}} (or shard parameters that live there)"
@@ -111,6 +115,7 @@ def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     with torch.no_grad():
         out = {k: spec.local_shard(_local(spec, raw(params[k])).to(spec.dtype), rank) for k, spec in plan.specs.items()}
+    out = place_state(plan, out)  # (offloaded groups: on the host)
     mark(plan.specs.values(), out.values())  # so that plain DCP refuses them (funcshard.checkpoint presents them)
     return out
 
@@ -184,6 +189,9 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     for g in plan.groups:
         if not g.params:
             continue
-        full = _Gather.apply(lay[g.name], pg, rank, *[state[p] for p in g.params])
+        shards = [state[p] for p in g.params]
+        if g.offload_to_cpu:  # (host shards: gathered on the mesh's device; differentiable copies)
+            shards = [s.to(device_of(plan.mesh)) for s in shards]
+        full = _Gather.apply(lay[g.name], pg, rank, *shards)
         out.update((p, plan.specs[p].present(t)) for p, t in zip(g.params, full))
     return out

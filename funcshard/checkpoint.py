@@ -30,6 +30,7 @@ from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import gather_tangents
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
+from funcshard._offload import place_state
 from funcshard._plan import Plan, module_params
 from funcshard._shard import _fail, check_state
 from funcshard._spec import ShardingError
@@ -268,7 +269,7 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     def fresh(s):
         return torch.zeros(s.local_shape, dtype=s.dtype, device=device)
 
-    state = {k: fresh(s) for k, s in specs.items()}
+    state = place_state(plan, {k: fresh(s) for k, s in specs.items()})  # (CPU offload: on the host)
     sd: dict[str, Any] = {MODEL: {keys[k]: present(s, state[k], mesh, rank) for k, s in specs.items()}}
     new_buffers = {k: torch.empty_like(b) for k, b in buffers.items()}
     sd[MODEL].update(new_buffers)
@@ -276,7 +277,7 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     if opt_state is not None:
         sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in stepped}}
         for _, part, field, name in trees:
-            tree = filled[id(part), field] = {k: fresh(specs[k]) for k in getattr(part, field)}
+            tree = filled[id(part), field] = place_state(plan, {k: fresh(specs[k]) for k in getattr(part, field)})
             for k in tree:
                 sd[OPTIM]["state"].setdefault(k, {})[name] = present(specs[k], tree[k], mesh, rank)
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
@@ -464,6 +465,7 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
                 reader.read_box(k, (0,) * b.dim(), tuple(b.shape), b)
     finally:
         reader.close()
+    state = place_state(plan, state)  # (CPU offload: on the host)
     mark(plan.specs.values(), state.values())
     return state
 
@@ -511,7 +513,7 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
 
     with rng(seed, device, [plan.mesh.get_group(a) for a in range(plan.mesh.ndim)]):
         run(mods, init, device, make, keep)
-    out = {k: state[k] for k in specs}
+    out = place_state(plan, {k: state[k] for k in specs})  # (CPU offload: on the host)
     mark(specs.values(), out.values())
     return out
 

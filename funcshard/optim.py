@@ -98,6 +98,7 @@ from funcshard._compat import (
     foreach_norm,
     foreach_sqrt,
 )
+from funcshard._offload import check_pin, start_to_device, start_to_host, to_host
 from funcshard._tree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
@@ -125,6 +126,8 @@ __all__ = [
     "adamw",
     "apply_updates",
     "step",
+    "offload",
+    "OffloadState",
 ]
 
 PyTree = Any
@@ -681,7 +684,10 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             sq = torch.stack(norms).square().sum()
             group = _resolve_group(mesh)
             if group is not None:
+                if sq.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # (CPU-offloaded grads)
+                    sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+                sq = sq.to(device)
             total_norm = sq.sqrt()
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
             if len(devices) > 1:
@@ -693,7 +699,9 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
                 out = foreach_mul(leaves, clip_coef)
         return tree_unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, _checked(update_fn, check))
+    update_fn = _checked(update_fn, check)
+    update_fn.reads_all_params = True  # (offload() steps one group at a time: it refuses this inside)
+    return GradientTransformation(init_fn, update_fn)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -732,6 +740,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, state_class(*new_states)
 
     update_fn = _checked(update_fn, check_all)
+    update_fn.reads_all_params = any(getattr(t.update, "reads_all_params", False) for t in transforms)
     last = transforms[-1] if transforms else None
     if not isinstance(last, TorchOptimizer):
         return GradientTransformation(init_fn, update_fn)
@@ -992,3 +1001,130 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
         new = foreach_add(p, u)
     inherit(p, new)
     return tree_unflatten(spec, new)
+
+
+# --------------------------------------------------------------------------
+# optimizer state on the host, stepped on the device
+# --------------------------------------------------------------------------
+
+
+class OffloadState(NamedTuple):
+    """:func:`offload`'s state: the inner optimizer's state of each group of parameters, on the host."""
+
+    groups: dict
+
+
+def offload(tx: GradientTransformation, groups: Any, *, pin_memory: bool = True) -> GradientTransformation:
+    """``tx`` with its state on the host, stepped on the device one group at a time (what verl and prime-rl add to
+    FSDP2, whose ``CPUOffloadPolicy`` steps on the host): each group's state is copied to the gradients' device, ``tx``
+    steps it there, and the new state is copied back; the device holds one group's state at a time (on CUDA: two, the
+    next group's copy-in overlapping this group's step on a copy stream, the copy-out too).
+
+    ``groups``: a :class:`funcshard.Plan` (its groups' parameters) or a sequence of sequences of keys of the params
+    dict; every parameter in exactly one. ``tx`` must work parameter by parameter (``sgd``, ``adamw``, chains of
+    them; not ``clip_by_global_norm``, which needs every gradient: chain it before, ``chain(clip, offload(adamw(),
+    plan))``). Host state pinned when ``pin_memory`` (needs an accelerator, as for ``CPUOffloadPolicy``). Same numbers
+    as ``tx`` bit for bit (element-wise ops, grouped or not); :func:`step` stays torch's step bit for bit. On a CPU
+    mesh the host is the device: nothing is copied. Not built: ``funcshard.checkpoint`` of this state.
+    """
+    where = "optim.offload"
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"{where}: tx must be a GradientTransformation, got {type(tx).__name__}")
+    if getattr(tx.update, "reads_all_params", False):
+        raise ValueError(f"{where}: tx reads every parameter's gradient at once (clip_by_global_norm), and offload "
+                         f"steps one group at a time; chain the clip before it: chain(clip_by_global_norm(...), "
+                         f"offload(adamw(...), groups))")
+
+    pinned = check_pin(bool(pin_memory), where, "offload(..., ")
+    plan_groups = getattr(groups, "groups", None)
+    if plan_groups is not None:
+        named = [(g.name, tuple(g.params)) for g in plan_groups if g.params]
+    else:
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"{where}: groups must be a Plan or a sequence of sequences of parameter keys, got "
+                            f"{type(groups).__name__}")
+        named = [(str(i), tuple(g)) for i, g in enumerate(groups) if len(g)]
+    owner: dict[str, str] = {}
+    for name, keys in named:
+        for k in keys:
+            if k in owner:
+                raise ValueError(f"{where}: parameter {k!r} is in two groups ({owner[k]} and {name}); put it in one")
+            owner[k] = name
+
+    def split(where_: str, what: str, tree: Any) -> dict:
+        if not isinstance(tree, dict):
+            raise TypeError(f"{where_}: {what} must be a dict of tensors keyed like the groups, got "
+                            f"{type(tree).__name__}")
+        extra, missing = sorted(set(tree) - set(owner)), sorted(set(owner) - set(tree))
+        if extra or missing:
+            raise ValueError(f"{where_}: {what} keys differ from the groups': "
+                             + "; ".join(x for x in (f"in no group: {extra[:8]}" if extra else "",
+                                                     f"missing: {missing[:8]}" if missing else "") if x)
+                             + ". Fix: pass the same params dict as to init, and groups that cover it")
+        return {name: {k: tree[k] for k in keys} for name, keys in named}
+
+    def host_tree(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten(spec, [to_host(t, pinned) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def init_fn(params: PyTree) -> OffloadState:
+        return OffloadState({name: host_tree(tx.init(sub)) for name, sub in split(where, "params", params).items()})
+
+    def check(updates, state, params=None):
+        if not isinstance(state, OffloadState) or set(state.groups) != {n for n, _ in named}:
+            raise ValueError(f"{where}: expected the OffloadState this optimizer's init() returned (groups "
+                             f"{[n for n, _ in named][:8]}), got {type(state).__name__}")
+        ups = split(where, "updates", updates)
+        pars = split(where, "params", params) if params is not None else {n: None for n, _ in named}
+        for name, _ in named:
+            _precheck(tx, ups[name], state.groups[name], pars[name])
+        return ups, pars
+
+    def run(step_group, updates, state, params, donate):
+        """``step_group(updates, state, params) -> (out, new_state)`` per group, the state copied in and out."""
+        ups, pars = check(updates, state, params)
+        device = next((t.device for u in ups.values() for t in u.values()), None)
+        outs, new_states, events = {}, {}, []
+
+        def copy_in(name):
+            leaves, spec = tree_flatten(state.groups[name])
+            idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+            moved, ready = start_to_device([leaves[i] for i in idx], device)
+            for i, t in zip(idx, moved):
+                leaves[i] = t
+            return leaves, spec, idx, ready
+
+        pending = copy_in(named[0][0]) if named else None
+        for j, (name, _) in enumerate(named):
+            leaves, spec, idx, ready = pending
+            pending = copy_in(named[j + 1][0]) if j + 1 < len(named) else None  # (overlaps this group's step)
+            ready()
+            out, new = step_group(ups[name], tree_unflatten(spec, leaves), pars[name])
+            host_leaves, _ = tree_flatten(state.groups[name])
+            new_leaves, new_spec = tree_flatten(new)
+            tidx = [i for i, t in enumerate(new_leaves) if isinstance(t, torch.Tensor)]
+            into = [host_leaves[i] for i in tidx] if donate else None
+            copied, event = start_to_host([new_leaves[i] for i in tidx], pinned, into)
+            if event is not None:
+                events.append(event)
+            for i, t in zip(tidx, copied):
+                new_leaves[i] = t
+            outs[name], new_states[name] = out, tree_unflatten(new_spec, new_leaves)
+        for e in events:  # the host state is complete when update returns
+            e.synchronize()
+        merged = {k: v for name, _ in named for k, v in outs[name].items()}
+        order = updates if isinstance(updates, dict) else merged
+        return {k: merged[k] for k in order}, OffloadState(new_states)
+
+    def update_fn(updates, state, params=None, **extra):
+        return run(lambda u, s, p: tx.update(u, s, p, **extra), updates, state, params, extra.get("donate", False))
+
+    update_fn = _checked(update_fn, check)
+    out = GradientTransformation(init_fn, update_fn)
+    if not isinstance(tx, TorchOptimizer):
+        return out
+
+    def exact(grads, state, params, donate=False):
+        return run(lambda g, s, p: tx.exact(g, s, p, donate=donate), grads, state, params, donate)
+
+    return _torch_optimizer(out, _checked(exact, check), tx.torch_param_group)

@@ -839,9 +839,7 @@ def _errors():
         "mp_complex_reduce_dtype": lambda: funcshard.fully_shard(
             fresh, mesh=mesh, mp_policy=torch_fsdp.MixedPrecisionPolicy(reduce_dtype=torch.complex64)),
         "mp_other_class": lambda: funcshard.fully_shard(fresh, mesh=mesh, mp_policy={"param_dtype": torch.bfloat16}),
-        "cpu_offload": lambda: funcshard.fully_shard(fresh, mesh=mesh, offload_policy=funcshard.CPUOffloadPolicy()),
-        "cpu_offload_torch_policy": lambda: funcshard.fully_shard(
-            fresh, mesh=mesh, offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False)),
+        "offload_other_class": lambda: funcshard.fully_shard(fresh, mesh=mesh, offload_policy="cpu"),
         "mesh_3d": lambda: funcshard.fully_shard(fresh, mesh=init_device_mesh("cpu", (1, 1, world))),
         "int_reshard": lambda: funcshard.fully_shard(fresh, mesh=mesh, reshard_after_forward=3),
         "dp_mesh_dims": lambda: funcshard.fully_shard(  # (torch 2.13's class; a stand-in before it)
@@ -882,8 +880,8 @@ ERRORS = {
                                r"floating point dtype",
     "mp_other_class": r"TypeError: fully_shard\(MLP\): mp_policy must be a MixedPrecisionPolicy \(funcshard's or "
                       r"torch.distributed.fsdp's\), got dict",
-    "cpu_offload": r"NotImplementedError: CPU offload \(CPUOffloadPolicy\) is not built yet",
-    "cpu_offload_torch_policy": r"NotImplementedError: CPU offload",
+    "offload_other_class": r"TypeError: fully_shard\(MLP\): offload_policy must be an OffloadPolicy or a "
+                           r"CPUOffloadPolicy",  # (CPU offload itself: tests/test_offload.py)
     "mesh_3d": r"ValueError: fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh.*: a 1-D mesh \(FSDP\) or a "
                r"2-D \(replicate, shard\) mesh \(HSDP\)",
     "int_reshard": r"ValueError: fully_shard\(MLP\): reshard_after_forward=3 must be a bool or an int that divides the "

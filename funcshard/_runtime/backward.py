@@ -22,6 +22,7 @@ import torch
 
 from funcshard._collectives import CollectiveError, no_functorch, raw_grads, start_reduce_scatter
 from funcshard._compile import runtime_boundary
+from funcshard._offload import host_reduce
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
 from funcshard._tree import module_io_leaves
@@ -48,6 +49,7 @@ class ReduceQueue(Part):
         with no_functorch():
             pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
                                            step.replicate_pg, step.where("reduce-scatter", name), gb.group.comm)
+            pending = host_reduce(pending, gb.group, gb.device, defer=step.sink is not None)  # (CPU offload)
         if LISTENERS:
             emit("reduce-scatter issued", name, pending)
         return pending

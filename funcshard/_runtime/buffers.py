@@ -32,6 +32,7 @@ from funcshard._collectives import (
 )
 from funcshard._comm import extension_of
 from funcshard._compat import unsafe_preserve_version_counter
+from funcshard._offload import to_device
 from funcshard._plan import Group
 from funcshard._runtime.observe import LISTENERS, emit
 
@@ -46,14 +47,21 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post", "grad_mask", "ext")
+                 "pending", "versions", "frozen", "trainable", "post", "grad_mask", "ext", "compute_device")
 
-    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None):
+    def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None,
+                 compute_device: torch.device | None = None):
         self.group = group
+        self.compute_device = compute_device  # (an offloaded group's shards are on the host: gathered here)
         self.layout = layout
         self.shards = [state[p] for p in group.params]  # (as given: the gathers read them under no_grad)
         # shards whose class defines FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather)
         self.ext = None if plan is None else extension_of(group, layout, list(map(unwrapped, self.shards)), plan)
+        if self.ext is not None and group.offload_to_cpu:
+            raise NotImplementedError(
+                f"group {group.name!r}: CPU offload together with the tensor-subclass all-gather extension "
+                f"(fsdp_pre_all_gather / fsdp_post_all_gather) is not built yet; offload another group, or use plain "
+                f"tensors in this one")
         grad = [t.requires_grad for t in self.shards]
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after the
         # group's reduce-scatter, so it is freed only once its inputs' gradients are complete too (FrozenRelease).
@@ -73,6 +81,9 @@ class GroupBuffers:
 
     @property
     def device(self) -> torch.device:
+        """Where the group is gathered and computes: its shards' device, the mesh's for an offloaded group."""
+        if self.group.offload_to_cpu and self.compute_device is not None:
+            return self.compute_device
         return self.shards[0].device
 
     def issue(self, pg, rank: int, where: Where | None = None) -> None:
@@ -103,8 +114,10 @@ class GroupBuffers:
             flat = self.flat_shards
             if flat is None:
                 plain = list(map(unwrapped, self.shards))
-                flat = self.layout.flat_shards(plain)
-                if all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy would be stale later)
+                moved = to_device(plain, self.device) if self.group.offload_to_cpu else plain  # (host shards)
+                flat = self.layout.flat_shards(moved)
+                if moved is plain and all(t.is_contiguous() for t in plain):  # views, kept for the step (a copy
+                    # would be stale later)
                     self.flat_shards = flat
             if self.layout.flat:  # the all-gather writes straight into the parameters' storage
                 self.allocate()

@@ -129,7 +129,7 @@ class Step:
         self.device = facts.device
         self.failed: CollectiveError | None = None
         lay = layouts(plan)
-        self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan) for g in plan.groups}
+        self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan, self.device) for g in plan.groups}
         self.binding = Binding(facts.slots, facts.present)
         self.tracker = ForwardTracker(facts.members)
         self.prefetcher = Prefetcher(self)

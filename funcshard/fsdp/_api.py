@@ -29,6 +29,7 @@ from funcshard._mesh import (
     model_sharding,
     spmd_dp_mesh,
 )
+from funcshard._offload import offload_fields, to_host
 from funcshard._policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -49,11 +50,9 @@ def _not_built(what: str, instead: str) -> NotImplementedError:
     return NotImplementedError(f"{what} is not built yet in funcshard's fully_shard; {instead}")
 
 
-def _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims) -> None:
+def _check_unbuilt(mesh, reshard_after_forward, dp_mesh_dims) -> None:
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}")
-    if hasattr(offload_policy, "pin_memory"):  # CPUOffloadPolicy, ours or torch's
-        raise _not_built("CPU offload (CPUOffloadPolicy)", "use OffloadPolicy() (no offloading)")
     if dp_mesh_dims is None and mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a 2-D "
                          f"(replicate, shard) mesh (HSDP); pass the data-parallel sub-mesh, e.g. "
@@ -159,6 +158,8 @@ def _resync(unit: _Unit) -> None:
         r.padded = local.new_zeros(r.spec.local_shape)
         with torch.no_grad():
             r.local(r.padded).copy_(local)
+        if unit.pin_memory and not r.padded.is_meta:  # FSDP2: a pinning unit's new local tensor goes to pinned memory
+            r.padded = to_host(r.padded, True)
         new = nn.Parameter(r.dtensor(r.local(r.padded), unit.mesh), requires_grad=cur.requires_grad)
         try:  # keep the parameter object (optimizers may hold it), as nn.Module._apply does
             torch.utils.swap_tensors(cur, new)
@@ -402,8 +403,10 @@ def fully_shard(
     ``dp_mesh_dims=DataParallelMeshDims(shard='dp', replicate=...)``, DTensors on the full SPMD ``mesh`` with
     ``Replicate()`` on its data-parallel axes: each local tensor is sharded over the data-parallel axes; the
     parameter is a DTensor over both (``_StridedShard`` where FSDP2 uses it), the module sees its DTensor gathered.
-    Not built (NotImplementedError): CPU offload. Returns ``module``, its class now ``FSDP<Cls>`` (a subclass of
-    :class:`FSDPModule`).
+    ``offload_policy=CPUOffloadPolicy(pin_memory=...)``: sharded parameters and gradients on the host (pinned if
+    asked), copied to the device before the all-gather and back after the reduce-scatter; the optimizer steps on the
+    host (FSDP2's semantics, ``funcshard/_offload.py``). Returns ``module``, its class now ``FSDP<Cls>`` (a subclass
+    of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -414,8 +417,9 @@ def fully_shard(
                                   f"module, bottom-up (submodules first, then their ancestors). (FSDP2: Each "
                                   f"distinct composable distributed API can only be applied to a module once.)")
     mesh = mesh if mesh is not None else default_fsdp_mesh()
-    _check_unbuilt(mesh, reshard_after_forward, offload_policy, dp_mesh_dims)
+    _check_unbuilt(mesh, reshard_after_forward, dp_mesh_dims)
     check_mp_policy(mp_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
+    offload = offload_fields(offload_policy, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
     spmd = None  # dp_mesh_dims: the indices of the data-parallel axes in the full SPMD mesh; FSDP runs on those
     if dp_mesh_dims is not None:
         if mesh.mesh_dim_names is None:
@@ -447,11 +451,16 @@ def fully_shard(
                              f"(e.g. via distribute_module). Got plain tensor for parameter {path!r}.")
         model = None if local is p else model_sharding(path, p, mesh, dim % (hi + 1), spmd)
         spec = make_spec(path, local, dim, axis=axes.shard, world=world, model=model, requires_grad=p.requires_grad)
-        full = local.detach() if local.is_meta else local.detach().to(device)
-        records.append(_Param(spec.local_shard(full, rank), spec, spec.local_valid(rank), mesh, p.requires_grad))
+        # (CPU offload: sharded where the parameter is, then kept on the host, pinned if asked: FSDP2's placement)
+        full = local.detach() if local.is_meta or offload["offload_to_cpu"] else local.detach().to(device)
+        padded = spec.local_shard(full, rank)
+        if offload["offload_to_cpu"] and not padded.is_meta:
+            padded = to_host(padded, offload["pin_memory"])
+        records.append(_Param(padded, spec, spec.local_valid(rank), mesh, p.requires_grad))
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
     unit.mp_policy = mp_policy
+    unit.offload_to_cpu, unit.pin_memory = offload["offload_to_cpu"], offload["pin_memory"]
     for (_, p), r in zip(params, records):
         setattr(p, _OWNER, unit)
         setattr(r.param, _OWNER, unit)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_grad
 from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
+from funcshard._offload import drain
 from funcshard._spec import ShardSpec
 
 if TYPE_CHECKING:
@@ -105,10 +106,13 @@ class GradSink:
                     continue  # like FSDP2: a parameter without a gradient on this rank gets none
                 o = r.local(o)
                 grad = param.grad
+                hooks = post_accumulate_grad_hooks(param)
+                if grad is not None or hooks:  # (CPU offload: the host reads it now; FSDP2 copies it blocking)
+                    drain()
                 if grad is None:
                     param.grad = r.grad_dtensor(o)
                 else:  # (its local tensor: DTensor.to_local runs an autograd Function)
                     dtensor_local(grad).add_(o)
-                if hooks := post_accumulate_grad_hooks(param):
+                if hooks:
                     for hook in hooks.values():
                         hook(param)

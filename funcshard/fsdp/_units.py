@@ -45,6 +45,7 @@ class _Unit:
         self.partial: dict = {}  # HSDP sums reduce-scattered without all-reduce, by dtype, until the next all-reduce
         self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: run on the reduced output before the cast back
         self.timeout, self.check = None, False  # set_timeout / set_check_mode: the plan's (the shortest, any check)
+        self.offload_to_cpu = self.pin_memory = False  # CPUOffloadPolicy: the Group's fields (_offload)
 
     def name(self) -> str:
         names = [cls_name(m) for m in self.modules]
@@ -105,6 +106,7 @@ class _Context:
         for m in root.modules():
             if (u := m.__dict__.get(UNIT)) is not None and u not in self.units:
                 self.units.append(u)
+        _check_offloaded(self.units, paths)
         recs = {id(r.param): r for u in self.units for r in u.params}
         nested = [u for u in self.units if u is not top]
         base = make_plan(root, top.mesh, groups=[tuple(paths[id(m)] for m in u.modules) for u in nested],
@@ -165,7 +167,8 @@ class _Context:
                                    unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor,
                                    param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                    output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs,
-                                   comm=getattr(u, "comm", None))  # (set_custom_all_gather / _reduce_scatter)
+                                   comm=getattr(u, "comm", None),  # (set_custom_all_gather / _reduce_scatter)
+                                   offload_to_cpu=u.offload_to_cpu, pin_memory=u.pin_memory)
 
     def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
         out = {}
@@ -203,6 +206,17 @@ class _Context:
         if self.plan().order_differs(seen) and seen == self.last_order:
             self.order = seen
         self.last_order = seen
+
+
+def _check_offloaded(units: list[_Unit], paths: dict[int, str]) -> None:
+    """FSDP2's check at lazy initialization: an offloading unit's sharded parameters are on the host (not left on the
+    meta device, nor moved to an accelerator by ``to_empty`` / ``to``)."""
+    bad = [(f"{paths[id(m)] + '.' if paths[id(m)] else ''}{a}", r.padded.device) for u in units if u.offload_to_cpu
+           for r in u.params if r.padded.device.type != "cpu" for m, a in r.slots[:1]]
+    if bad:
+        raise RuntimeError("FSDP parameters should be materialized on CPU when enabling CPU offloading. For example, "
+                           "load a CPU state dict or call module.to_empty(device=\"cpu\"). Found following parameters "
+                           f"on non-CPU device: {bad}")
 
 
 class _FSDPParamView:
