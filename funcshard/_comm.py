@@ -49,6 +49,12 @@ class CommHook:
             bucket of ``n`` elements per rank (``kind``: ``"all-gather"`` or ``"reduce-scatter"``); None: the
             buffer's own (``world * n * dtype.itemsize``). What ``str(plan)`` and ``funcshard.cost`` count.
         name: how the plan prints it (default: the functions' names).
+
+    A functional hook's result is taken over by funcshard, which frees its storage when the group reshards (the
+    all-gather's) or once it is added to the gradient (the reduce-scatter's): return a fresh tensor, not a buffer the
+    hook keeps for the next call (a view of the hook's input is copied). At world size 1 no collective runs, so hooks
+    are not called (``int8_all_gather`` quantizes nothing there). A checkpoint stores plain tensors: a state of
+    tensor subclasses (the all-gather extension) loads as plain tensors, so re-wrap them after loading.
     """
 
     all_gather: Any = None
@@ -162,6 +168,8 @@ def run(comm: CommHook, kind: str, out: torch.Tensor, inp: torch.Tensor, group, 
             f"CommHook.{'all_gather' if kind == ALL_GATHER else 'reduce_scatter'}=None for torch.distributed's")
     if got.device != out.device:
         got = got.to(out.device)
+    elif got.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():  # a view of the input (e.g. this
+        got = got.clone()  # rank's slice of an all-reduced input): funcshard frees the input after the hook
     return None, got
 
 

@@ -318,8 +318,9 @@ class Plan:
             wire: dict[str, int] = {}
             for c in step.collectives():
                 wire[c.kind] = wire.get(c.kind, 0) + wire_nbytes(self, c)
-            lines.append("  moved by the groups' comm hooks: " + ", ".join(
-                f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
+            if wire:  # (none at world size 1: no collective runs)
+                lines.append("  moved by the groups' comm hooks: " + ", ".join(
+                    f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
         kept = step.kept_after_forward()
         lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
                      f"(groups not resharded, or resharded to fewer ranks)")
