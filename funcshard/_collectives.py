@@ -180,11 +180,7 @@ def pg_desc(pg) -> str:
 
 
 def describe(where: Where) -> str:
-    return f"the {where.kind} of group {_label(where.group)} ({where.phase})"
-
-
-def _label(name: str) -> str:
-    return "'' (the root group)" if name == "" else repr(name)
+    return f"the {where.kind} of group {_comm.group_label(where.group)} ({where.phase})"
 
 
 _FIX = ("Make every rank run the same groups in the same order (no data-dependent skipping of a group, the same "

@@ -161,7 +161,7 @@ def run(comm: CommHook, kind: str, out: torch.Tensor, inp: torch.Tensor, group, 
         shown = (f"shape {tuple(got.shape)}, dtype {got.dtype}" if isinstance(got, torch.Tensor)
                  else f"a {type(got).__name__}")
         raise ShardingError(
-            f"the {kind} hook {_fn_name(f)} of group {_label(name)} returned {shown}; it must return shape "
+            f"the {kind} hook {_fn_name(f)} of group {group_label(name)} returned {shown}; it must return shape "
             f"{tuple(out.shape)}, dtype {out.dtype} (" + (
                 "every rank's bucket concatenated, this rank's at rank * n" if kind == ALL_GATHER else
                 "this rank's slice of the sum over ranks") + "): fix the hook, or leave "
@@ -173,7 +173,8 @@ def run(comm: CommHook, kind: str, out: torch.Tensor, inp: torch.Tensor, group, 
     return None, got
 
 
-def _label(name: str | None) -> str:
+def group_label(name: str | None) -> str:
+    """How errors name a group: its name quoted, the root group (``""``) said so."""
     return "'' (the root group)" if name == "" else repr(name) if name is not None else "(unnamed)"
 
 
@@ -265,7 +266,7 @@ def check_extension(t: torch.Tensor, group: str, param: str) -> bool:
     if type(t) in _PLAIN:
         return False
     pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
-    where = f"group {_label(group)}, parameter {param!r}"
+    where = f"group {group_label(group)}, parameter {param!r}"
     if pre != post:
         have, lack = ("pre", "post") if pre else ("post", "pre")
         raise ShardingError(f"{where}: its {type(t).__name__} defines fsdp_{have}_all_gather but not "
@@ -291,14 +292,15 @@ def extension_of(group, layout, shards, plan) -> Extension | None:
     if not any(marks):
         return None
     name = [p for p, m in zip(group.params, marks) if m][0]
+    label = group_label(group.name)
     if layout.flat:
-        raise ShardingError(f"group {_label(group.name)}: parameter {name!r} has an all-gather extension "
+        raise ShardingError(f"group {label}: parameter {name!r} has an all-gather extension "
                             f"(fsdp_pre_all_gather), which layout='flat' does not run; use layout='per_param'")
     if any(s.dim != 0 for s, m in zip(layout.specs, marks) if m):
-        raise NotImplementedError(f"group {_label(group.name)}: an all-gather extension on a parameter sharded on a "
+        raise NotImplementedError(f"group {label}: an all-gather extension on a parameter sharded on a "
                                   f"dim other than 0 is not built; shard it on dim 0")
     if not isinstance(group.reshard_after_forward, bool):
-        raise NotImplementedError(f"group {_label(group.name)}: an all-gather extension (parameter {name!r}) with an "
+        raise NotImplementedError(f"group {label}: an all-gather extension (parameter {name!r}) with an "
                                   f"int reshard_after_forward is not built (FSDP2 raises there too); use True or "
                                   f"False")
     return Extension(group, layout, tuple(marks), plan)
@@ -341,7 +343,7 @@ class Extension:
             inputs = list(inputs)
             assert all(isinstance(t, torch.Tensor) for t in inputs) and inputs
         except (TypeError, ValueError, AssertionError):
-            raise ShardingError(f"group {_label(self.group.name)}, parameter {self.group.params[i]!r}: "
+            raise ShardingError(f"group {group_label(self.group.name)}, parameter {self.group.params[i]!r}: "
                                 f"{type(shard).__name__}.fsdp_pre_all_gather returned {type(got).__name__}; it must "
                                 f"return (a tuple of tensors to all-gather along dim 0, metadata)") from None
         return inputs, meta
@@ -426,7 +428,7 @@ class PendingExtension:
     def _post(self, i: int, outs, dtype, out=None):
         ext = self.ext
         fn = self.posts[i]
-        where = f"group {_label(ext.group.name)}, parameter {ext.group.params[i]!r}"
+        where = f"group {group_label(ext.group.name)}, parameter {ext.group.params[i]!r}"
         if out is not None:
             fn(tuple(outs), self.metas[i], dtype, out=out)
             return None
