@@ -8,7 +8,8 @@ by per-group runtime work and the check's fixed cost shows as much as it can) tr
 on CPU. Each repeat times ``--steps`` steps with the check on, then ``--steps`` with it off (``check.ENABLED``, the
 order alternating from repeat to repeat), on every rank at once; the figures are the medians over repeats of the
 slowest rank's mean step time, of the paired differences (on - off), and of the time spent inside the check
-(``Checks.post``: the store exchange, including the wait for the last rank to arrive). On the fake process group (no peers, one
+(``Checks.post``: the store exchange, including the wait for the last rank to arrive); and the exchange alone,
+the ranks lined up by a barrier before each (the median over ranks' slowest of its latency). On the fake process group (no peers, one
 process) the check does nothing but find that out, so its figure is the fake-PG per-group CPU time on and off.
 The results of the run that wrote ``divergence_check.md`` are in that file.
 """
@@ -80,16 +81,31 @@ def _measure(mesh, args) -> list[tuple[float, float, float]]:
     return out
 
 
+def _exchange(pg, n: int) -> list[float]:
+    """The exchange alone (``check._agree``), the ranks lined up by a barrier first: its own latency, s."""
+    peers = check._peers(pg)
+    out = []
+    for i in range(n):
+        dist.barrier(pg)
+        t0 = time.perf_counter()
+        check._agree("bench", peers, "0123456789abcdef0123456789abcdef", 60.0, "the benchmark")
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    res = _measure(init_device_mesh("cpu", (world,)), args)
+    mesh = init_device_mesh("cpu", (world,))
+    res = _measure(mesh, args)
     t = torch.tensor(res, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's, per repeat
+    ex = torch.tensor(_exchange(mesh.get_group(), args.repeats * args.steps), dtype=torch.float64)
+    dist.all_reduce(ex, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put(t.tolist())
+        queue.put((t.tolist(), statistics.median(ex.tolist())))
     dist.destroy_process_group()
 
 
@@ -120,10 +136,10 @@ def main() -> None:
         procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        res = queue.get()
+        res, ex = queue.get()
         for p in procs:
             p.join()
-        rows.append(_summary(f"gloo W={world}", res, args.blocks))
+        rows.append(_summary(f"gloo W={world}", res, args.blocks) + f" {ex * 1e3:.3f} |")
     if args.fake_world:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -132,13 +148,13 @@ def main() -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
         torch.set_flush_denormal(True)
         res = _measure(init_device_mesh("cpu", (args.fake_world,)), args)
-        rows.append(_summary(f"fake PG W={args.fake_world}", [list(r) for r in res], args.blocks))
+        rows.append(_summary(f"fake PG W={args.fake_world}", [list(r) for r in res], args.blocks) + " - |")
         dist.destroy_process_group()
     print(f"{args.blocks} blocks of Linear({args.width}), {args.steps} steps x {args.repeats} repeats, torch "
           f"{torch.__version__}, load average {os.getloadavg()[0]:.1f}")
     print("| process group | step ms, check off | step ms, check on | on - off, ms (median of paired repeats) | "
-          "us per group | ms in the check (slowest rank) |")
-    print("|---|---|---|---|---|---|")
+          "us per group | ms in the check (slowest rank) | ms per exchange, ranks lined up |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

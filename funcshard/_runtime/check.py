@@ -6,9 +6,12 @@ decided by each rank's own state; ranks that froze different parameters would pa
 wrong gradients (equal sizes) or a crash (gloo's "Connection reset by peer"). A forward that ran other groups on some
 rank (a data-dependent branch, LayerDrop) makes the backward's all-gathers and reduce-scatters pair wrongly. A rank
 cannot know that another rank's set changed without communicating, and a check only the rank whose set changed takes
-part in would hang; so every rank takes part in every step that can have a backward: at the end of each forward that
-recorded autograd history (``torch.is_grad_enabled()``; a forward under ``no_grad`` / ``inference_mode`` has no
-backward to protect and is not checked), before the forward returns, hence before any backward collective.
+part in would hang (and the forward's group order, checked by the same exchange, can change at any step); so every
+rank takes part in every step that can have a backward: at the end of each forward that recorded autograd history
+(``torch.is_grad_enabled()``; a forward under ``no_grad`` / ``inference_mode`` has no backward to protect and is not
+checked), before the forward returns, hence before any backward collective. Whole at the end of the forward (not
+posted there and read at the start of backward, as the first version did): nothing is left pending by a forward whose
+backward never runs, or raises.
 
 The exchange (``_agree``) is out of band, through the process group's c10d store, not a collective of the process
 group: it never pairs with a data collective (a rank that diverged cannot make it hang or corrupt it), the plan's
@@ -20,17 +23,20 @@ learns whether it agrees with the first, exactly (no sum of hashes, no overflow)
 that arrived and those that differ; the last to arrive adds the verdict to a third key, which every other rank waits
 for and reads with one more ``add`` (the count of readers: the last reader deletes it; the last arrival deleted the
 other two). Four store round trips per rank and step (the last to arrive: two, plus two deletes), one store server
-for all: W = 1024 ranks make 4096 small requests a step, where the first version (every rank posted its mask, every
-rank read all W) made W^2 = a million. Only when the verdict says the ranks differ does every rank post its whole
+for all: W = 1024 ranks make about 4096 small requests a step, each moving a 32-byte digest or a number, where the
+first version (every rank posted its mask and forward order, every rank waited for and read all W posts) moved W^2 =
+a million values a step through the store server. Only when the verdict says the ranks differ does every rank post its whole
 value (the mask as 62-bit words, the forward's groups) and read all W of them (W^2 on the error path only), so that
 every rank raises the same ``DivergenceError``, naming the first differing parameter or group and the ranks on each
 side. HSDP: the same exchange over the replicate group. The fake process group (no peers) is not checked.
 
-Measured (``benchmarks/divergence_check.py``, ``benchmarks/divergence_check.md``): on the fake process group the
-check is one dictionary look-up per forward (the per-group CPU figure is unchanged, within noise); on gloo, a 4-block
-MLP step (forward and backward) with and without the check, interleaved, medians: see the .md for the table
-(W = 2: +0.2 ms a step, W = 4: +0.4 ms, about 4 store round trips on localhost, within the run-to-run noise of
-those steps).
+Measured (``benchmarks/divergence_check.py``, table in ``benchmarks/divergence_check.md``; 8 one-block groups, CPU,
+a 2-core machine shared with other jobs, load average 12-16): on the fake process group the check only finds that
+there are no peers (9 us a step): the fake-PG per-group CPU figure is unchanged within noise. On gloo, the time inside
+the check per step (the slowest rank's median, including the wait for the last rank to arrive) was 2.9 ms at W = 2
+and 7.4 ms at W = 4; the exchange alone with the ranks lined up, 3.4 ms (W = 2) on that loaded machine, i.e. four
+localhost round trips under heavy scheduling contention; the on/off step-time medians could not resolve it (their
+paired differences' IQR: tens of ms).
 
 Check mode (``plan(..., check=True)``, ``fully_shard``'s ``set_check_mode(True)``; off by default): **the sequence of
 collectives**. Before each all-gather and reduce-scatter the step issues, and at the end of each forward and backward,
