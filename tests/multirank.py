@@ -31,9 +31,8 @@ torch costs seconds); they are shut down at interpreter exit (``shutdown_pools``
 
 Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
 the pool is killed and the next call starts a fresh one.  After every job in which all ranks
-answered, the process groups the job made are destroyed (each holds gloo threads and sockets) and
-an all_reduce on the default group checks that the pool is still in step (no rank left a collective
-behind, nobody destroyed the default group); if not, the pool is discarded too.
+answered, an all_reduce on the default group checks that the pool is still in step (no rank left
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
 Worker stdout/stderr go where the parent's went when the pool started (pytest captures them).
 """
 from __future__ import annotations
@@ -88,7 +87,6 @@ def _worker(rank, world_size, port, conn, stack_path):
     except BaseException:
         reply = ("err", traceback.format_exc())
     conn.send_bytes(pickle.dumps(reply))
-    groups = _groups() if reply[0] == "ok" else set()
     while reply[0] == "ok":
         try:
             cmd, path, cwd, job = pickle.loads(conn.recv_bytes())
@@ -97,8 +95,7 @@ def _worker(rank, world_size, port, conn, stack_path):
         if cmd == "stop":
             break
         try:
-            if cmd == "sync":  # (every rank answered the job: the groups it made can go)
-                _destroy_groups_since(groups)
+            if cmd == "sync":
                 t = torch.ones(1)
                 dist.all_reduce(t)
                 if t.item() != world_size:
@@ -108,7 +105,6 @@ def _worker(rank, world_size, port, conn, stack_path):
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
                 os.chdir(cwd)
                 fn, args, kwargs = pickle.loads(job)
-                groups = _groups()
                 result = fn(*args, **kwargs)
             out = pickle.dumps(("ok", result))
         except BaseException:
@@ -121,26 +117,6 @@ def _worker(rank, world_size, port, conn, stack_path):
             break
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _groups() -> set:
-    """The process groups of this worker (torch keeps them all in its ``_world`` registry)."""
-    from torch.distributed.distributed_c10d import _world  # (tests only: the one place that lists them)
-
-    return set(_world.pg_map)
-
-
-def _destroy_groups_since(before: set) -> None:
-    """Destroy the process groups a job made (``dist.new_group``, ``DeviceMesh``): each holds gloo threads and
-    sockets, and a pool runs hundreds of jobs. Done once every rank answered the job (before the health check), not
-    when this rank's part returns: that would close the sockets under a rank still in the job's collectives. One whose
-    collective timed out is destroyed too (gloo's own timeout ends its threads' wait)."""
-    collectives = sys.modules.get("funcshard._collectives")  # (funcshard keeps the groups it found broken)
-    for pg in _groups() - before:
-        if pg is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(pg)
-            if collectives is not None:
-                collectives.forget(pg)
 
 
 # ----------------------------------------------------------------------------- parent side
