@@ -186,8 +186,9 @@ def test_microbatches_apply_the_waiting_rank_times_out():
 
 
 @pytest.mark.parametrize("check, kind, message", [
-    (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1'|reduce-scatter of group 'blocks.3') "
-                                 r"\(backward\) did not complete within 2 s"),
+    (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1' \(backward\)|reduce-scatter of group "
+                                 r"'blocks.3' \(backward\)|all-gather of group 'blocks.0' \(forward\)) did not "
+                                 r"complete within 2 s"),
     (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: "
                               r"ranks \[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter "
                               r"of group 'blocks.3' \(backward\)\. Every rank must run the same groups"),
@@ -195,7 +196,9 @@ def test_microbatches_apply_the_waiting_rank_times_out():
 def test_microbatches_fully_shard(check, kind, message):
     """fully_shard's microbatches (set_requires_gradient_sync on the last one): the rank that syncs early
     reduce-scatters while the other gathers for its next microbatch. Both ranks raise: a timeout naming each one's
-    collective, or in check mode the first differing collective."""
+    collective (which one depends on how far gloo pairs the mismatched ones: seen on torch 2.11 under load, a rank
+    got through its backward to the next forward's first all-gather), or in check mode the first differing
+    collective."""
     for k, m, intact in run_ranks(2, _scenario, "fully_shard", "microbatches", check, timeout=JOB_S):
         assert k == kind and re.search(message, m, re.S) and intact, m
 
