@@ -27,6 +27,7 @@ import contextlib
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -147,27 +148,28 @@ class Where(NamedTuple):
     pg: Any = None  # (None: the bound's process group)
 
 
-_HOST: dict[int, bool] = {}
-_BROKEN: dict[int, tuple[Any, str]] = {}  # id(process group) -> (the group, kept alive; what broke it)
+# Per process group, weakly (a destroyed group's gloo threads and sockets go with its last reference):
+_HOST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> whether its waits block the CPU
+_BROKEN: dict[Any, str] = {}  # process group -> what broke it; strongly: a wrapper nobody holds would vanish from a
+# weak map and its group be trusted again (pybind returns the same wrapper while one lives); ``forget`` drops it
 
 
 def _host_waits(pg) -> bool:
     """Whether ``Work.wait()`` blocks the CPU on this process group (gloo), not a stream fence (NCCL), and there are
     peers to wait for (not the fake group: its works never complete, its waits return at once)."""
-    hit = _HOST.get(id(pg))
+    hit = _HOST.get(pg)
     if hit is None:
         try:
             name = dist.get_backend(pg)
         except (RuntimeError, ValueError):
             name = "gloo"
-        hit = _HOST[id(pg)] = str(name) not in ("nccl", "xccl", "fake")
+        hit = _HOST[pg] = str(name) not in ("nccl", "xccl", "fake")
     return hit
 
 
 def broken(pg) -> str | None:
     """What broke the process group (a collective of it failed or timed out), or None."""
-    hit = _BROKEN.get(id(pg))
-    return None if hit is None or hit[0] is not pg else hit[1]
+    return None if pg is None else _BROKEN.get(pg)
 
 
 def pg_desc(pg) -> str:
@@ -271,13 +273,19 @@ def collective_failed(where: Where, pg, error: BaseException | None, timed_out: 
                 f"{str(error).strip().splitlines()[-1] if error is not None else 'unknown'}. A peer rank died or "
                 f"ran a different collective.")
         why = "a collective of it failed"
-    _BROKEN[id(pg)] = (pg, f"{what} {'timed out' if timed_out else 'failed'}")
+    _BROKEN[pg] = f"{what} {'timed out' if timed_out else 'failed'}"
     cls = CollectiveTimeout if timed_out else CollectiveError
     return cls(head + " " + _FIX.format(why=why))
 
 
 def mark_broken(pg, cause: str) -> None:
-    _BROKEN[id(pg)] = (pg, cause)
+    _BROKEN[pg] = cause
+
+
+def forget(pg) -> None:
+    """Drop a destroyed process group (``dist.destroy_process_group``) from the broken ones, so that nothing of
+    funcshard keeps it (its gloo threads and sockets): ``tests/multirank`` after each job."""
+    _BROKEN.pop(pg, None)
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:

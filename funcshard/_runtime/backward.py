@@ -44,7 +44,6 @@ class ReduceQueue(Part):
         raw_grads(grads)
         step.frozen.grads_done(name)
         self.finish()
-        step.checks.agree()  # (done at the start of backward; a reduce-scatter outside one: here)
         step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
         with no_functorch():
             pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),

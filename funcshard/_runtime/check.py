@@ -4,38 +4,63 @@ Always on (when the shard axis has 2 or more ranks): **which parameters take gra
 forward ran**. A group's reduce-scatter covers the parameters that require grad (``GroupBuffers.reduce_layout``),
 decided by each rank's own state; ranks that froze different parameters would pair different layouts: silently
 wrong gradients (equal sizes) or a crash (gloo's "Connection reset by peer"). A forward that ran other groups on some
-rank (a data-dependent branch, LayerDrop) makes the backward's all-gathers and reduce-scatters pair wrongly. Design: a
-rank cannot know that another rank's set changed without communicating, and a check only the rank whose set changed
-takes part in would hang; so every rank takes part in every step. At the end of each forward a rank posts its
-requires-grad mask (the plan's parameters as 62-bit words, and a hash) and the groups its forward ran to the process
-group's store; at the start of the step's backward (its first backward hook, before any backward collective) it
-reads every rank's. The exchange is out of band, through the c10d store rather than a collective of the process
+rank (a data-dependent branch, LayerDrop) makes the backward's all-gathers and reduce-scatters pair wrongly. A rank
+cannot know that another rank's set changed without communicating, and a check only the rank whose set changed takes
+part in would hang (and the forward's group order, checked by the same exchange, can change at any step); so every
+rank takes part in every step that can have a backward: at the end of each forward that recorded autograd history
+(``torch.is_grad_enabled()``; a forward under ``no_grad`` / ``inference_mode`` has no backward to protect and is not
+checked), before the forward returns, hence before any backward collective. Whole at the end of the forward (not
+posted there and read at the start of backward, as the first version did): nothing is left pending by a forward whose
+backward never runs, or raises.
+
+The exchange (``_agree``) is out of band, through the process group's c10d store, not a collective of the process
 group: it never pairs with a data collective (a rank that diverged cannot make it hang or corrupt it), the plan's
 printed collective order stays the whole truth (``_schedule``, checked at c10d dispatch by the tests), and on CUDA it
-needs no device-to-host copy. Cost: three store round trips per step (a post, one read, by which time the other
-ranks have posted, and a count of the readers: the last deletes the exchange's keys, so the store does not grow). Every rank reads every rank's post, so every rank raises the same ``DivergenceError``, naming
-the first differing parameter or group and the ranks on each side, before any mismatched reduce-scatter runs. HSDP:
-the same exchange over the replicate group. The fake process group (no peers) is not checked.
+needs no device sync. Its cost is O(1) store operations per rank and O(W) per step in all, whatever the world size W:
+each rank's value is a 128-bit digest of its requires-grad mask and forward order; the first rank to arrive puts its
+digest in the exchange's key (``compare_set``, which returns the first digest to everyone after it), so each rank
+learns whether it agrees with the first, exactly (no sum of hashes, no overflow); an atomic ``add`` counts the ranks
+that arrived and those that differ; the last to arrive adds the verdict to a third key, which every other rank waits
+for and reads with one more ``add`` (the count of readers: the last reader deletes it; the last arrival deleted the
+other two). Four store round trips per rank and step (the last to arrive: two, plus two deletes), one store server
+for all: W = 1024 ranks make about 4096 small requests a step, each moving a 32-byte digest or a number, where the
+first version (every rank posted its mask and forward order, every rank waited for and read all W posts) moved W^2 =
+a million values a step through the store server. Only when the verdict says the ranks differ does every rank post its whole
+value (the mask as 62-bit words, the forward's groups) and read all W of them (W^2 on the error path only), so that
+every rank raises the same ``DivergenceError``, naming the first differing parameter or group and the ranks on each
+side. HSDP: the same exchange over the replicate group. The fake process group (no peers) is not checked.
+
+Measured (``benchmarks/divergence_check.py``, table in ``benchmarks/divergence_check.md``; 8 one-block groups, CPU,
+a 2-core machine shared with other jobs, load average 12-16): on the fake process group the check only finds that
+there are no peers (9 us a step): the fake-PG per-group CPU figure is unchanged within noise. On gloo, the time inside
+the check per step (the slowest rank's median, including the wait for the last rank to arrive) was 2.9 ms at W = 2
+and 7.4 ms at W = 4; the exchange alone with the ranks lined up, 3.4 ms (W = 2) on that loaded machine, i.e. four
+localhost round trips under heavy scheduling contention; the on/off step-time medians could not resolve it (their
+paired differences' IQR: tens of ms).
 
 Check mode (``plan(..., check=True)``, ``fully_shard``'s ``set_check_mode(True)``; off by default): **the sequence of
 collectives**. Before each all-gather and reduce-scatter the step issues, and at the end of each forward and backward,
-the ranks exchange what they are about to do (kind, group, phase) through the same store: a forward that skipped a
-group on one rank is found at the first differing collective, on every rank, each rank's collective named. It costs
-a blocking store exchange per collective (three round trips): a debugging mode, like torch's
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+the ranks agree on what they are about to do (kind, group, phase) with the same exchange: a forward that skipped a
+group on one rank is found at the first differing collective, on every rank, each rank's collective named. It costs a
+blocking exchange per collective: a debugging mode, like torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 
-Both exchanges are bounded by the plan's timeout; a rank that never posts (dead, stalled, diverged) ends the others'
-wait with a ``CollectiveTimeout`` naming it. The exchanges count steps and collectives per process group: every rank
-must make the same steps on it (they must anyway: their collectives pair up).
+Every wait of an exchange is bounded by the plan's timeout; a rank that never arrives (dead, stalled, diverged) ends
+the others' wait with a ``CollectiveTimeout`` naming it (a rank that waited longer than a second marks itself as
+present, so the late ones can be named). The exchanges count steps and collectives per process group: every rank must
+make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
+exchange that every rank finished, whatever happens next (a forward without backward, a backward that raises); an
+exchange that timed out leaves its keys (the process group is broken then, and refused).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from funcshard._collectives import CollectiveTimeout, DivergenceError, mark_broken, pg_desc
@@ -46,9 +71,12 @@ if TYPE_CHECKING:
     from funcshard._runtime.step import Step
 
 _BITS = 62  # bits per packed word
+_LOW = (1 << 32) - 1  # an add's low 32 bits count ranks, the high bits what they told (differing ranks; the verdict)
 _SEQ: dict[tuple[str, str], int] = {}  # (exchange, process group name) -> exchanges so far (the same on every rank)
-_PEERS: dict[int, tuple] = {}  # id(process group) -> (group, its store, world, rank, global ranks); None: fake group
+_PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
+# check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
 _DAY = 86400.0
+ENABLED = True  # the default check (benchmarks/divergence_check.py turns it off to measure it); not check mode's
 
 
 def packed_mask(masks: tuple[tuple[bool, ...], ...]) -> str:
@@ -66,98 +94,128 @@ def _unpack(value: str, n: int) -> list[bool]:
 
 def _peers(pg):
     """(group, store, world, rank, global ranks) of a process group with peers to check against, else None."""
-    key = id(pg)
-    hit = _PEERS.get(key)
-    if hit is None or hit[0] is not pg:
+    hit = _PEERS.get(pg)
+    if hit is None:
         world = dist.get_world_size(pg)
         fake = str(dist.get_backend(pg)) == "fake"
-        hit = (pg, None if world == 1 or fake else process_group_store(pg), world, dist.get_rank(pg),
-               dist.get_process_group_ranks(pg))
-        _PEERS[key] = hit
-    return hit if hit[1] is not None else None
+        hit = _PEERS[pg] = (None if world == 1 or fake else process_group_store(pg), world, dist.get_rank(pg),
+                            dist.get_process_group_ranks(pg))
+    return (pg, *hit) if hit[0] is not None else None
 
 
-def _post(kind: str, peers, value: str) -> int:
-    """Post this rank's ``value`` for the next exchange of ``kind`` on the group; returns its number."""
-    pg, store, world, rank, _ = peers
+def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> tuple[bool, int]:
+    """Exchange #n of ``kind`` on the group: (whether every rank's ``value`` is this rank's, n). O(1) store operations
+    per rank (see the module docstring), every wait bounded by ``seconds``; ``doing`` names what the ranks reach
+    (its ``#?``: the exchange's number)."""
+    pg, store, world, rank, ranks = peers
     k = (kind, str(getattr(pg, "group_name", id(pg))))
     seq = _SEQ[k] = _SEQ.get(k, 0) + 1
-    store.set(f"funcshard/{kind}/{seq}/{rank}", f"{seq} {value}")
-    return seq
+    base = f"funcshard/{kind}/{seq}"
+    doing = doing.replace("#?", f"#{seq}")
+    mine = ("=" + value).encode()  # (never empty: compare_set's "" means "absent")
+    differs = store.compare_set(f"{base}/first", "", mine) != mine
+    arrived = store.add(f"{base}/arrived", 1 + (int(differs) << 32))
+    if arrived & _LOW == world:  # the last to arrive: every rank has compared; the verdict is known
+        store.delete_key(f"{base}/first")
+        store.delete_key(f"{base}/arrived")
+        read = store.add(f"{base}/done", ((2 if arrived >> 32 else 1) << 32) + 1)
+    else:
+        _wait(store, base, f"{base}/done", peers, seq, seconds, doing)
+        read = store.add(f"{base}/done", 1)
+    if read & _LOW == world:  # the last reader
+        store.delete_key(f"{base}/done")
+    return read >> 32 == 1, seq
 
 
-def _read(kind: str, peers, seq: int, seconds: float | None, doing: str) -> list[str]:
-    """Every rank's value of exchange ``seq`` (bounded by ``seconds``; a rank that does not post in time: a
-    CollectiveTimeout naming it, and the group is marked broken). Each exchange has its own keys (several forwards
-    may post before the first of their backwards reads: gradient accumulation, a grouped unit's member run per
-    chunk); the last rank to read an exchange deletes its keys, so the store holds only exchanges some rank has yet
-    to read."""
-    pg, store, world, _, ranks = peers
-    keys = [f"funcshard/{kind}/{seq}/{r}" for r in range(world)]
+def _wait(store, base: str, key: str, peers, seq: int, seconds: float | None, doing: str) -> None:
+    """Wait for ``key`` (the last rank's verdict) at most ``seconds``; else a CollectiveTimeout naming the ranks that
+    did not arrive, and the group is marked broken. A rank that waits longer than a second marks itself present."""
+    pg, _, world, rank, ranks = peers
     deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
-    delay = 1e-3  # (a late rank: polled with backoff, up to 10 reads a second, so waiting ranks spare the store)
+    here = None
     while True:
         left = deadline - time.monotonic()
         try:
-            store.wait(keys, timedelta(seconds=max(min(left, 1.0), 0.001)))
-            got = [v.decode().split(" ", 1) for v in store.multi_get(keys)]
+            store.wait([key], timedelta(seconds=max(min(left, 1.0), 0.001)))
+            if here is not None:
+                store.delete_key(here)
+            return
         except (RuntimeError, dist.DistError):
-            got = None
-        if got is not None:
-            if store.add(f"funcshard/{kind}/{seq}/read", 1) == world:  # the last reader clears the exchange
-                for k in (*keys, f"funcshard/{kind}/{seq}/read"):
-                    store.delete_key(k)
-            return [v for _, v in got]
-        late = [ranks[r] for r, k in enumerate(keys) if not store.check([k])]
+            pass
+        if here is None:
+            here = f"{base}/here/{rank}"
+            store.set(here, "1")
         if time.monotonic() >= deadline:
-            mark_broken(pg, f"ranks {late} did not reach {doing}")
-            raise CollectiveTimeout(
-                f"funcshard: ranks {late} did not reach {doing} (exchange #{seq} on {pg_desc(pg)}) within "
-                f"{seconds:g} s; this rank (rank {dist.get_rank()}) waited for them there. They died, stalled, or run "
-                f"something else (a forward that ran fewer groups, another number of microbatches or forwards, a rank "
-                f"that raised). Fix: make every rank run the same steps; the process group can no longer be trusted: "
-                f"restart the job (or make a new process group, mesh, plan and state). Raise the bound with "
-                f"plan(..., timeout=s), model.set_timeout(s) (fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is "
-                f"legitimately that slow")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.1)
+            late = [ranks[r] for r in range(world) if r != rank and not store.check([f"{base}/here/{r}"])]
+            _timeout(pg, late, doing, seq, seconds)
+
+
+def _timeout(pg, late: list[int], doing: str, seq: int, seconds: float | None):
+    mark_broken(pg, f"ranks {late} did not reach {doing}")
+    raise CollectiveTimeout(
+        f"funcshard: ranks {late} did not reach {doing} (exchange #{seq} on {pg_desc(pg)}) within {seconds:g} s; "
+        f"this rank (rank {dist.get_rank()}) waited for them there. They died, stalled, or run something else (a "
+        f"forward that ran fewer groups, another number of microbatches or forwards, a rank that raised). Fix: make "
+        f"every rank run the same steps; the process group can no longer be trusted: restart the job (or make a new "
+        f"process group, mesh, plan and state). Raise the bound with plan(..., timeout=s), model.set_timeout(s) "
+        f"(fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is legitimately that slow")
+
+
+def _everyones(kind: str, peers, seq: int, value: str, seconds: float | None, doing: str) -> list[str]:
+    """The error path: every rank's whole ``value`` for exchange ``seq`` (each rank posts its own and reads all W:
+    W^2 in all, only once the ranks are known to differ); the last reader deletes the keys."""
+    pg, store, world, rank, ranks = peers
+    base = f"funcshard/{kind}/{seq}/all"
+    store.set(f"{base}/{rank}", value)
+    keys = [f"{base}/{r}" for r in range(world)]
+    deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), 1.0), 0.001)))
+            break
+        except (RuntimeError, dist.DistError):
+            if time.monotonic() >= deadline:
+                _timeout(pg, [ranks[r] for r, key in enumerate(keys) if not store.check([key])], doing, seq, seconds)
+    got = [v.decode() for v in store.multi_get(keys)]
+    if store.add(f"{base}/read", 1) == world:
+        for key in (*keys, f"{base}/read"):
+            store.delete_key(key)
+    return got
 
 
 class Checks(Part):
-    """The step's divergence checks: the end-of-forward exchange (``posted`` / ``agree``) and check mode's sequence
-    exchange (``collective``)."""
+    """The step's divergence checks: the end-of-forward exchange (``post``) and check mode's sequence exchange
+    (``collective``)."""
 
     def __init__(self, step: Step):
         super().__init__(step)
-        self.pending: list | None = None  # [(peers, exchange number, posted value)] of the end-of-forward exchange
         self.sequence = bool(step.plan.check)
 
     def post(self) -> None:
-        """End of forward: post this rank's requires-grad mask and the groups its forward ran, on the shard group and
-        the replicate group (HSDP)."""
+        """End of a forward that can have a backward (before any of its collectives): the ranks agree on which
+        parameters take gradients and which groups the forward ran, on the shard group and the replicate group
+        (HSDP), or every rank raises a DivergenceError naming the first that differs."""
+        if not ENABLED or not torch.is_grad_enabled():
+            return
         step = self.step
         groups = [peers for pg in (step.pg, step.replicate_pg) if pg is not None and (peers := _peers(pg)) is not None]
         if not groups:
             return
         masks = tuple(gb.grad_mask for gb in step.groups.values())
+        key = (masks, tuple(step.prefetcher.order))
         cache = step.facts.masks
-        value = cache.get(masks)
-        if value is None:
-            value = cache[masks] = packed_mask(masks)
-        value = f"{value} |{','.join(step.prefetcher.order)}"
-        self.pending = [(peers, _post("step", peers, value), value) for peers in groups]
-
-    def agree(self) -> None:
-        """Start of backward (before any backward collective; the first reduce-scatter or the end of backward if no
-        hook ran first): the ranks agree on which parameters take gradients and which groups the forward ran, or
-        every rank raises a DivergenceError naming the first that differs."""
-        pending, self.pending = self.pending, None
-        if not pending:
-            return
-        for peers, seq, mine in pending:
-            got = _read("step", peers, seq, self.step.bound.seconds, "the start of the step's backward")
-            if any(v != mine for v in got):
-                raise self._error(got, peers)
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) > 64:  # (forward orders that vary from step to step: bounded)
+                cache.clear()
+            whole = f"{packed_mask(masks)} |{','.join(key[1])}"
+            hit = cache[key] = (hashlib.blake2b(whole.encode(), digest_size=16).hexdigest(), whole)
+        digest, whole = hit
+        doing = "the end of the step's forward"
+        for peers in groups:
+            same, seq = _agree("step", peers, digest, step.bound.seconds, doing)
+            if not same:
+                raise self._error(_everyones("step", peers, seq, whole, step.bound.seconds, doing), peers)
 
     def _error(self, got: list[str], peers) -> DivergenceError:
         pg, ranks = peers[0], peers[4]
@@ -207,9 +265,10 @@ class Checks(Part):
         peers = _peers(step.pg)
         if peers is None:
             return
-        seq = _post("sequence", peers, what)
-        got = _read("sequence", peers, seq, step.bound.seconds, f"collective #{seq} (this rank: {what})")
-        if len(set(got)) > 1:
+        doing = f"collective #? (this rank: {what})"
+        same, seq = _agree("sequence", peers, what, step.bound.seconds, doing)
+        if not same:
+            got = _everyones("sequence", peers, seq, what, step.bound.seconds, doing.replace("#?", f"#{seq}"))
             pg, ranks = peers[0], peers[4]
             by: dict[str, list[int]] = {}
             for r, v in enumerate(got):

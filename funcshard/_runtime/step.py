@@ -181,9 +181,9 @@ class Step:
         free what is gathered, drop what is in flight without waiting (its buffers stay with the backend's work)."""
         if self.failed is not None:
             return
-        self.failed = error
+        self.failed = type(error)(str(error))  # (not the error: its traceback's frames hold the graph, which holds
+        # the step: a cycle through autograd's C++ nodes that gc cannot break; failed steps and their groups leaked)
         self.reduce_queue.item = None
-        self.checks.pending = None
         self.in_forward = False
         for name, gb in self.groups.items():
             self.binding.swap_out(name)
@@ -422,7 +422,6 @@ class Step:
             self.pre_backward_ran.clear()
             self.ran_early.clear()
             queue_callback(self.end_of_backward)
-            self.checks.agree()  # (before any collective of the backward: see _runtime.check)
 
     def recomputing(self) -> bool:
         """Inside this step's running backward (a backward that raised half-way leaves backward_started set; a
@@ -508,7 +507,6 @@ class Step:
             self.reduce_queue.drop()
         self.reduce_queue.finish()  # (apply: its shards are dropped when nobody asked for them in this backward)
         if not cleanup and self.failed is None:
-            self.checks.agree()  # (no backward hook ran: the check still runs)
             self.checks.collective("end of backward")
         for name in self.groups:
             self.free_after_backward(name)
