@@ -22,7 +22,7 @@ import funcshard
 from funcshard import CollectiveError, CollectiveTimeout, DivergenceError
 from multirank import RankError, run_ranks
 
-TIMEOUT = 2.0  # s: the plans' bound in these tests
+TIMEOUT = 5.0  # s: the plans' bound in these tests (2 s flaked in a full suite under load: a legit wait of a loaded rank)
 GLOO_S = 30  # s: the scenario group's own gloo timeout (not what ends the scenario)
 JOB_S = 60.0  # s: a scenario that hangs fails as a RankTimeout (a scenario takes a few s; more on a loaded machine)
 
@@ -162,7 +162,7 @@ _TRUST = (r"The process group can no longer be trusted \(its collective is still
              r"after \['blocks.0', 'blocks.1'\] is ranks \[0\]: 'blocks.2'; ranks \[1\]: 'blocks.3'.*Fix: run every "
              r"group on every rank", "same"),
     ("raise", r"CollectiveTimeout: funcshard: the all-gather of group 'blocks.3' \(forward\) did not complete within "
-              r"2 s on process group .* \(plan: (FSDP)?_Net in 5 groups, timeout 2 s\): a rank died, stalled, or is "
+              r"5 s on process group .* \(plan: (FSDP)?_Net in 5 groups, timeout 5 s\): a rank died, stalled, or is "
               r"waiting in another collective.*" + _TRUST, r"ValueError: a rank's own error in forward"),
 ], ids=["frozen_equal", "frozen_unequal", "skip", "raise"])
 def test_divergence_raises_on_every_rank(path, scenario, rank0, rank1):
@@ -182,13 +182,13 @@ def test_microbatches_apply_the_waiting_rank_times_out():
     (k0, m0, ok0), (k1, m1, ok1) = run_ranks(2, _scenario, "apply", "microbatches", timeout=JOB_S)
     assert k1 == "ok" and ok0 and ok1
     assert re.search(r"funcshard: the all-gather of group '' \(the root group\) \(forward\) did not complete within "
-                     r"2 s.*" + _TRUST, m0, re.S) and k0 == "CollectiveTimeout", m0
+                     r"5 s.*" + _TRUST, m0, re.S) and k0 == "CollectiveTimeout", m0
 
 
 @pytest.mark.parametrize("check, kind, message", [
     (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1' \(backward\)|reduce-scatter of group "
                                  r"'blocks.3' \(backward\)|all-gather of group 'blocks.0' \(forward\)) did not "
-                                 r"complete within 2 s"),
+                                 r"complete within 5 s"),
     (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: "
                               r"ranks \[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter "
                               r"of group 'blocks.3' \(backward\)\. Every rank must run the same groups"),
