@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import funcshard
 from funcshard import CollectiveError, CollectiveTimeout, DivergenceError
-from multirank import RankError, run_ranks
+from multirank import RankError, run_ranks, shutdown_pools
 
 TIMEOUT = 5.0  # s: the plans' bound in these tests (2 s flaked in a full suite under load: a legit wait of a loaded rank)
 GLOO_S = 30  # s: the scenario group's own gloo timeout (not what ends the scenario)
@@ -57,7 +57,12 @@ def _ready() -> bool:
 @pytest.fixture(autouse=True, scope="module")
 def _warm_pool():
     """The W = 2 pool started and this module (funcshard, torch's compiler stack) imported on its ranks outside the
-    scenarios' JOB_S bound: importing it takes tens of seconds on a loaded machine."""
+    scenarios' JOB_S bound: importing it takes tens of seconds on a loaded machine. The pools are started afresh:
+    after the files before this one ran in the same W = 2 pool, test_microbatches_apply_the_waiting_rank_times_out
+    and test_the_default_check_leaves_nothing_behind[fully_shard] time out (the rank that should finish waits for the
+    root group's all-gather; reproduced with test_apply ... test_cost then this file, not with any one file before
+    it; not yet explained: see the closing note of 2026-11-23's fourth session)."""
+    shutdown_pools()
     run_ranks(2, _ready, timeout=180)
 
 
@@ -180,7 +185,7 @@ def test_microbatches_apply_the_waiting_rank_times_out():
     all were well (nothing tells it otherwise); the rank that waits for it raises within the bound, naming the
     all-gather it waited for."""
     (k0, m0, ok0), (k1, m1, ok1) = run_ranks(2, _scenario, "apply", "microbatches", timeout=JOB_S)
-    assert k1 == "ok" and ok0 and ok1
+    assert k1 == "ok" and ok0 and ok1, (k1, m1, k0, m0)
     assert re.search(r"funcshard: the all-gather of group '' \(the root group\) \(forward\) did not complete within "
                      r"5 s.*" + _TRUST, m0, re.S) and k0 == "CollectiveTimeout", m0
 
