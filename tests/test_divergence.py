@@ -61,9 +61,13 @@ def _warm_pool():
     after the files before this one ran in the same W = 2 pool, test_microbatches_apply_the_waiting_rank_times_out
     and test_the_default_check_leaves_nothing_behind[fully_shard] time out (the rank that should finish waits for the
     root group's all-gather; reproduced with test_apply ... test_cost then this file, not with any one file before
-    it; not yet explained: see the closing note of 2026-11-23's fourth session)."""
+    it; a long garbage-collection pause in workers that have run a hundred tests is the lead). They are stopped again
+    after the module, so that no later module reaches a process group these scenarios destroyed (a torch cache kept
+    one by name: test_fsdp_grouped failed with "Could not resolve the process group registered under the name 2")."""
     shutdown_pools()
     run_ranks(2, _ready, timeout=180)
+    yield
+    shutdown_pools()
 
 
 _MADE: list = []  # this rank's groups from _fresh_mesh, destroyed by the next call (every rank has left the job)

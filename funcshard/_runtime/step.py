@@ -127,7 +127,7 @@ class Step:
         facts = self.facts = _facts(plan)
         self.bound = Bound(self.pg, facts.seconds, facts.desc)
         self.device = facts.device
-        self.failed: CollectiveError | None = None
+        self.failed: str | None = None  # what failed this step (Step.fail), as text
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan, self.device) for g in plan.groups}
         self.binding = Binding(facts.slots, facts.present)
@@ -181,8 +181,8 @@ class Step:
         free what is gathered, drop what is in flight without waiting (its buffers stay with the backend's work)."""
         if self.failed is not None:
             return
-        self.failed = type(error)(str(error))  # (not the error: its traceback's frames hold the graph, which holds
-        # the step: a cycle through autograd's C++ nodes that gc cannot break; failed steps and their groups leaked)
+        self.failed = f"{type(error).__name__}: {error}"  # (text, not the error: its traceback's frames hold the
+        # graph, which holds the step: a cycle through autograd's C++ nodes that gc cannot break; steps leaked)
         self.reduce_queue.item = None
         self.in_forward = False
         for name, gb in self.groups.items():
