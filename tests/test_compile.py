@@ -77,7 +77,9 @@ class Graphs:
 
     def __call__(self, gm, example_inputs):
         self.ops.append(sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes))
-        self.targets = getattr(self, "targets", []) + [str(n.target) for n in gm.graph.nodes]
+        # (the targets of the higher-order ops' subgraphs too: a gather autograd Function traces as one)
+        self.targets = getattr(self, "targets", []) + [str(n.target) for m in gm.modules()
+                                                       if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
         return self.backend(gm, example_inputs)
 
     def breaks(self):
