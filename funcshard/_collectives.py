@@ -182,7 +182,21 @@ def pg_desc(pg) -> str:
 
 
 def describe(where: Where) -> str:
+    if where.group is None:  # (a public collective: funcshard.all_gather / reduce_scatter / all_reduce)
+        return f"the {where.kind} of {where.phase}"
     return f"the {where.kind} of group {_comm.group_label(where.group)} ({where.phase})"
+
+
+def _public(kind: str, what: str, group) -> Where:
+    """Where a public collective (``what``, e.g. ``funcshard.all_gather``) waits: bounded as a plan without a timeout
+    is (``FUNCSHARD_TIMEOUT``, else ``DEFAULT_TIMEOUT``); on a group broken by an earlier failure it is refused
+    before it is issued."""
+    if (cause := broken(group)) is not None:
+        raise CollectiveError(f"funcshard: {what} was not issued: {pg_desc(group)} is broken by an earlier failure "
+                              f"({cause}). " + _FIX.format(why=cause), repeat=True)
+    seconds = resolve_timeout(None)
+    bound = "unbounded" if seconds is None else f"{seconds:g} s"
+    return Where(kind, None, what, Bound(group, seconds, f"none; {what} is bounded by {TIMEOUT_ENV} ({bound})"))
 
 
 _FIX = ("Make every rank run the same groups in the same order (no data-dependent skipping of a group, the same "
@@ -374,29 +388,32 @@ def _group_of(where) -> dist.ProcessGroup:
 # ---- differentiable collectives (dim 0; under autograd and torch.func) --------------------------
 
 
-def _ag(x: torch.Tensor, group) -> torch.Tensor:
+def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Tensor:
     w = dist.get_world_size(group)
+    where = _public("all-gather", what, group)
     x = x.contiguous()
     out = x.new_empty((w * x.shape[0], *x.shape[1:]))
-    wait_work(all_gather_into(out, x, group), None)
+    wait_work(all_gather_into(out, x, group), where)
     return out
 
 
-def _rs(x: torch.Tensor, group) -> torch.Tensor:
+def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch.Tensor:
     w = dist.get_world_size(group)
     if x.shape[0] % w:
         raise ValueError(
             f"reduce_scatter needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
         )
+    where = _public("reduce-scatter", what, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
-    wait_work(reduce_scatter_into(out, x, group), None)
+    wait_work(reduce_scatter_into(out, x, group), where)
     return out
 
 
-def _ar(x: torch.Tensor, group) -> torch.Tensor:
+def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Tensor:
+    where = _public("all-reduce", what, group)
     out = x.clone(memory_format=torch.contiguous_format)
-    wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True), None)
+    wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True), where)
     return out
 
 
@@ -421,7 +438,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with no_functorch():
-            return _rs(g, ctx.group), None
+            return _rs(g, ctx.group, "the backward of funcshard.all_gather"), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -445,7 +462,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with no_functorch():
-            return _ag(g, ctx.group), None
+            return _ag(g, ctx.group, "the backward of funcshard.reduce_scatter"), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -469,7 +486,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with no_functorch():
-            return _ar(g, ctx.group), None
+            return _ar(g, ctx.group, "the backward of funcshard.all_reduce"), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -482,7 +499,11 @@ class _AllReduce(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0. Backward: reduce-scatter (sum). ``group``: a
-    ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group)."""
+    ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group).
+
+    Like the three public collectives (and their backward), it waits at most ``FUNCSHARD_TIMEOUT`` seconds (else 300)
+    on gloo, then raises ``CollectiveTimeout`` naming it, and the group is refused afterwards (a rank that never
+    joins: dead, or running something else); on NCCL the bound is NCCL's own watchdog."""
     return _AllGather.apply(x, _group_of(group))
 
 

@@ -262,6 +262,38 @@ def test_a_broken_process_group_is_refused():
     assert run_ranks(2, _broken_then_refused, timeout=JOB_S) == ["refused", "skipped"]
 
 
+def _public_collectives_bounded():
+    """funcshard.all_gather / reduce_scatter / all_reduce (and their backward) wait within FUNCSHARD_TIMEOUT: a rank
+    that never joins ends the other's wait with the named error; the group is then refused before anything is
+    issued."""
+    import os
+
+    pg = _fresh_mesh().get_group()
+    x = (torch.arange(4.0) + dist.get_rank()).requires_grad_()
+    gathered = funcshard.all_gather(x, pg)
+    gathered.sum().backward()  # (the backward: a reduce-scatter, bounded the same way)
+    assert gathered.tolist() == [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0] and x.grad.tolist() == [2.0] * 4
+    if dist.get_rank() == 1:
+        return "skipped"
+    os.environ["FUNCSHARD_TIMEOUT"] = "1"
+    try:
+        with pytest.raises(CollectiveTimeout, match=r"funcshard: the all-reduce of funcshard.all_reduce did not "
+                                                    r"complete within 1 s on .*plan: none; funcshard.all_reduce is "
+                                                    r"bounded by FUNCSHARD_TIMEOUT \(1 s\)"):
+            funcshard.all_reduce(torch.ones(2), pg)
+        with pytest.raises(CollectiveError, match=r"funcshard: funcshard.reduce_scatter was not issued: .* is broken "
+                                                  r"by an earlier failure \(the all-reduce of funcshard.all_reduce "
+                                                  r"timed out\)"):
+            funcshard.reduce_scatter(torch.ones(2), pg)
+    finally:
+        del os.environ["FUNCSHARD_TIMEOUT"]
+    return "refused"
+
+
+def test_public_collectives_are_bounded():
+    assert run_ranks(2, _public_collectives_bounded, timeout=JOB_S) == ["refused", "skipped"]
+
+
 def test_timeout_settings_are_checked(fake_mesh2):
     net = _Net()
     with pytest.raises(funcshard.ShardingError, match=r"plan: timeout=-1 is not a number of seconds >= 0; pass e.g. "
