@@ -187,7 +187,7 @@ def describe(where: Where) -> str:
     return f"the {where.kind} of group {_comm.group_label(where.group)} ({where.phase})"
 
 
-def _public(kind: str, what: str, group) -> Where:
+def public_where(kind: str, what: str, group) -> Where:
     """Where a public collective (``what``, e.g. ``funcshard.all_gather``) waits: bounded as a plan without a timeout
     is (``FUNCSHARD_TIMEOUT``, else ``DEFAULT_TIMEOUT``); on a group broken by an earlier failure it is refused
     before it is issued."""
@@ -390,7 +390,7 @@ def _group_of(where) -> dist.ProcessGroup:
 
 def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Tensor:
     w = dist.get_world_size(group)
-    where = _public("all-gather", what, group)
+    where = public_where("all-gather", what, group)
     x = x.contiguous()
     out = x.new_empty((w * x.shape[0], *x.shape[1:]))
     wait_work(all_gather_into(out, x, group), where)
@@ -403,7 +403,7 @@ def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch
         raise ValueError(
             f"reduce_scatter needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
         )
-    where = _public("reduce-scatter", what, group)
+    where = public_where("reduce-scatter", what, group)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
     wait_work(reduce_scatter_into(out, x, group), where)
@@ -411,7 +411,7 @@ def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch
 
 
 def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Tensor:
-    where = _public("all-reduce", what, group)
+    where = public_where("all-reduce", what, group)
     out = x.clone(memory_format=torch.contiguous_format)
     wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True), where)
     return out

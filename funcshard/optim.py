@@ -81,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._checkpoint_dcp import inherit, refuse_container
+from funcshard._collectives import public_where, wait_work
 from funcshard._compat import (
     DCP_WRITE_ITEMS,
     foreach_add,
@@ -650,7 +651,9 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
     accumulated in float32, or float64 if any leaf is float64) is summed over
     ranks with ONE ``torch.distributed.all_reduce`` of a scalar, then square-
     rooted. Correct because shards are disjoint pieces of the full tensors and
-    padding entries are zero. No host-device synchronisation.
+    padding entries are zero. No host-device synchronisation. The all-reduce waits
+    at most ``FUNCSHARD_TIMEOUT`` s (else 300) on gloo, as ``funcshard.all_reduce``
+    does (``CollectiveTimeout``; the group is refused afterwards).
 
     ``mesh``: a ``DeviceMesh`` (reduce over its last axis, the shard axis), a
     ``ProcessGroup``, or ``None``: the default group when
@@ -686,7 +689,8 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             if group is not None:
                 if sq.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # (CPU-offloaded grads)
                     sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
-                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+                wait_work(dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                          public_where("all-reduce", "optim.clip_by_global_norm", group))
                 sq = sq.to(device)
             total_norm = sq.sqrt()
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -263,12 +263,15 @@ def test_a_broken_process_group_is_refused():
 
 
 def _public_collectives_bounded():
-    """funcshard.all_gather / reduce_scatter / all_reduce (and their backward) wait within FUNCSHARD_TIMEOUT: a rank
+    """funcshard.all_gather / reduce_scatter / all_reduce (and their backward) and optim.clip_by_global_norm's
+    all-reduce wait within FUNCSHARD_TIMEOUT: a rank
     that never joins ends the other's wait with the named error; the group is then refused before anything is
     issued."""
     import os
 
     pg = _fresh_mesh().get_group()
+    pg_clip = dist.new_group([0, 1], timeout=timedelta(seconds=GLOO_S))
+    _MADE.append(pg_clip)
     x = (torch.arange(4.0) + dist.get_rank()).requires_grad_()
     gathered = funcshard.all_gather(x, pg)
     gathered.sum().backward()  # (the backward: a reduce-scatter, bounded the same way)
@@ -285,6 +288,10 @@ def _public_collectives_bounded():
                                                   r"by an earlier failure \(the all-reduce of funcshard.all_reduce "
                                                   r"timed out\)"):
             funcshard.reduce_scatter(torch.ones(2), pg)
+        clip = funcshard.optim.clip_by_global_norm(1.0, mesh=pg_clip)
+        with pytest.raises(CollectiveTimeout, match=r"the all-reduce of optim.clip_by_global_norm did not complete "
+                                                    r"within 1 s"):
+            clip.update({"w": torch.ones(3)}, clip.init({"w": torch.ones(3)}))
     finally:
         del os.environ["FUNCSHARD_TIMEOUT"]
     return "refused"
