@@ -22,7 +22,7 @@ import funcshard
 from funcshard import CollectiveError, CollectiveTimeout, DivergenceError
 from multirank import RankError, run_ranks, shutdown_pools
 
-TIMEOUT = 5.0  # s: the plans' bound in these tests (2 s flaked in a full suite under load: a legit wait of a loaded rank)
+TIMEOUT = 5.0  # s: the plans' bound in these tests (2 s flaked in a full suite under load: a loaded rank's legit wait)
 GLOO_S = 30  # s: the scenario group's own gloo timeout (not what ends the scenario)
 JOB_S = 60.0  # s: a scenario that hangs fails as a RankTimeout (a scenario takes a few s; more on a loaded machine)
 
