@@ -359,13 +359,33 @@ def _classes(plan: Plan, like: Mapping[str, torch.Tensor] | None) -> dict[str, t
     against the plan), else the planned module's parameters (a model-sharded one's local tensor)."""
     if like is not None:
         check_state(plan, like, what="load(..., state=): the template state")
-        return {k: v for k, v in like.items() if not plain(v)}
-    out = {}
-    for k, v in module_params(plan).items():
-        v = dtensor_local(v) if plan.specs[k].model is not None else v
-        if not plain(v):
-            out[k] = v
+        out = {k: v for k, v in like.items() if not plain(v)}
+    else:
+        out = {}
+        for k, v in module_params(plan).items():
+            v = dtensor_local(v) if plan.specs[k].model is not None else v
+            if not plain(v):
+                out[k] = v
+    for k, v in out.items():  # (before anything is read: a class that cannot be re-made raises here)
+        with torch.no_grad():
+            _check_class(v, v.new_zeros((0,)), f"parameter {k!r}")
     return out
+
+
+def _check_class(proto: torch.Tensor, made: torch.Tensor, where: str) -> None:
+    if type(made) is not type(proto):
+        raise ShardingError(
+            f"funcshard.checkpoint: {where} is a {type(proto).__name__}, and {type(proto).__name__}.new_zeros made a "
+            f"{type(made).__name__}; it makes each such shard with the class's new_zeros and copies the "
+            f"checkpoint's values in (copy_). Make new_zeros keep the class (as torchao's float8 weights do), "
+            f"or pass state= a template of plain tensors and wrap the loaded ones yourself")
+
+
+def _as_module(plan: Plan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (plain shards just made) with each shard of a tensor-subclass parameter of the planned module made of
+    its class (the all-gather extension kept, as :func:`funcshard.shard` keeps it)."""
+    protos = _classes(plan, None)
+    return {k: _retyped(protos.get(k), v, f"parameter {k!r}") for k, v in state.items()} if protos else state
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
@@ -383,12 +403,7 @@ def _retyped(proto: torch.Tensor | None, t: torch.Tensor, where: str) -> torch.T
         return t
     with torch.no_grad():
         out = proto.new_zeros(t.shape, dtype=t.dtype, device=t.device)
-        if type(out) is not type(proto):
-            raise ShardingError(
-                f"checkpoint.load: {where} is a {type(proto).__name__}, and {type(proto).__name__}.new_zeros made a "
-                f"{type(out).__name__}; load makes each such shard with the class's new_zeros and copies the "
-                f"checkpoint's values in (copy_). Make new_zeros keep the class (as torchao's float8 weights do), "
-                f"or pass state= a template of plain tensors and wrap the loaded ones yourself")
+        _check_class(proto, out, where)
         out.copy_(t)
     return out
 
@@ -524,7 +539,8 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
     :func:`export_full`'s): each rank reads only the bytes of its own rows, so the peak memory is the sharded
     state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
     ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
-    loaded). The module's buffers found in the file are loaded into it."""
+    loaded). The module's buffers found in the file are loaded into it. A tensor-subclass parameter's shards are
+    made of its class (as :func:`load` does)."""
     _not_model_sharded(plan, "import_full")
     reader = Reader(path)
     try:
@@ -561,7 +577,7 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
                 reader.read_box(k, (0,) * b.dim(), tuple(b.shape), b)
     finally:
         reader.close()
-    state = place_state(plan, state)  # (CPU offload: on the host)
+    state = _as_module(plan, place_state(plan, state))  # (CPU offload: on the host)
     mark(plan.specs.values(), state.values())
     return state
 
@@ -585,7 +601,8 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
     after it the rank keeps its shards. Peak memory: the sharded state plus one module's full parameters. ``init``
     must initialise only the module it is given (a parent initialising its children's parameters raises). With
     ``seed``, the caller's RNG is left untouched. Meta buffers become zeros on the mesh's device unless the init sets
-    them (compute non-persistent tables, e.g. RoPE's, in your init).
+    them (compute non-persistent tables, e.g. RoPE's, in your init). A tensor-subclass parameter's shards are made of
+    its class (as :func:`load` does).
     """
     from funcshard._checkpoint_init import check_default_init, gather_one, modules_in_order, rng, run
 
@@ -609,7 +626,7 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
 
     with rng(seed, device, [plan.mesh.get_group(a) for a in range(plan.mesh.ndim)]):
         run(mods, init, device, make, keep)
-    out = place_state(plan, {k: state[k] for k in specs})  # (CPU offload: on the host)
+    out = _as_module(plan, place_state(plan, {k: state[k] for k in specs}))  # (CPU offload: on the host)
     mark(specs.values(), out.values())
     return out
 

@@ -863,6 +863,7 @@ def _offload_resume(path):
     state = funcshard.shard(plan)
     _, state, opt_state = _train(plan, tx, state, tx.init(state), 2)
     checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/off", tx=tx)
+    checkpoint.async_save(plan, state, opt_state, checkpoint_id=f"{path}/async", tx=tx).result()
     saved = {k: v.clone() for k, v in state.items()}, {k: v.clone() for k, v in _moments(opt_state).items()}
     reference = _train(plan, tx, state, opt_state, STEPS, start=2)
 
@@ -881,8 +882,11 @@ def _offload_resume(path):
     _, plain_opt = checkpoint.load(plan, f"{path}/off", opt_state=plain_tx.init(funcshard.shard(plan)))
     checkpoint.save(plan, got, plain_opt, checkpoint_id=f"{path}/plain", tx=plain_tx)
     _, back = checkpoint.load(plan, f"{path}/plain", opt_state=tx.init(funcshard.shard(plan)))
+    a_state, a_opt = checkpoint.load(plan, f"{path}/async", opt_state=tx.init(funcshard.shard(plan)))
     out["crossed"] = (all(torch.equal(v, saved[1][k]) for k, v in _moments(plain_opt).items()),
-                      all(torch.equal(v, saved[1][k]) for k, v in _moments(back).items()))
+                      all(torch.equal(v, saved[1][k]) for k, v in _moments(back).items()),
+                      all(torch.equal(a_state[k], saved[0][k]) for k in a_state)
+                      and all(torch.equal(v, saved[1][k]) for k, v in _moments(a_opt).items()))
     # pinned (torch's CPU build cannot pin: _offload.pin records what would be pinned, can_pin says yes)
     pins, can_pin, pin = [], offload_mod.can_pin, offload_mod.pin
     offload_mod.can_pin, offload_mod.pin = (lambda: True), (lambda t: pins.append(t) or t)
@@ -902,13 +906,14 @@ def _offload_resume(path):
 
 def test_optim_offload_state_round_trips_and_resumes_bit_for_bit(tmp_path):
     """Before: checkpoint.save of an optim.offload state raised TypeError ('does not know how to name a
-    OffloadState'). Now saved under tx's keys, loaded on the host (pinned as init pinned it); the resumed run equals
-    the uninterrupted one bit for bit (losses, parameters, moments), and the checkpoint cross-loads with tx's."""
+    OffloadState'). Now saved (save and async_save) under tx's keys, loaded on the host (pinned as init pinned it);
+    the resumed run equals the uninterrupted one bit for bit (losses, parameters, moments), and the checkpoint
+    cross-loads with tx's."""
     out = run_ranks(2, _offload_resume, str(tmp_path))[0]
     same_params, same_moments, is_offload, count, devices = out["loaded"]
     assert same_params and same_moments and is_offload and count == 2 and devices == {"cpu"}, out["loaded"]
     assert out["resumed"] == (True, True, True), out["resumed"]
-    assert out["crossed"] == (True, True), out["crossed"]
+    assert out["crossed"] == (True, True, True), out["crossed"]  # tx's and back; async_save's
     pinned, at_init, at_load, same_tensors = out["pinned"]
     n = 2 * len(_plan_keys())
     assert pinned and at_init == at_load == n and same_tensors, out["pinned"]
@@ -968,7 +973,20 @@ def _int8_resume(path):
         out["dropping"] = "loaded"
     except funcshard.ShardingError as e:
         out["dropping"] = str(e)
+    # sharded initialisation and a full safetensors import make the module's class too, with the plain run's values
+    plain_plan = funcshard.plan(_QMLP(lambda t: t), _mesh(), groups=(_QBlock,))  # (plain weights, the same shapes)
+    init, plain_init = checkpoint.init_state(plan, seed=3), checkpoint.init_state(plain_plan, seed=3)
+    out["init_state"] = type(init[key]).__name__, all(torch.equal(_plain(init[k]), plain_init[k]) for k in init)
+    checkpoint.export_full(plain_plan, plain_init, f"{path}.safetensors")
+    dist.barrier()
+    imported = checkpoint.import_full(plan, f"{path}.safetensors")
+    out["import_full"] = type(imported[key]).__name__, all(torch.equal(_plain(imported[k]), plain_init[k])
+                                                           for k in imported)
     return out
+
+
+def _plain(t):
+    return t._data if hasattr(t, "_data") else t
 
 
 def _dropping_class():
@@ -1003,5 +1021,6 @@ def test_subclass_state_keeps_its_all_gather_extension_after_a_resume(tmp_path):
         block = (torch.uint8, 2 * 64 + 2 * 8 * 4 + 2 * 8 * 4)  # per block: int8 weights, fp32 row scales, biases
         assert gathers.count(block) == 8, gathers  # 2 steps x 2 blocks x (forward, backward)
     assert out["plain"] == "Tensor"
-    assert re.search(r"checkpoint.load: parameter 'blocks.0.l1.weight' is a _Dropping, and _Dropping.new_zeros made "
-                     r"a Tensor; .*pass state= a template of plain tensors", out["dropping"]), out["dropping"]
+    assert re.search(r"funcshard.checkpoint: parameter .blocks.0.l1.weight. is a _Dropping, and _Dropping.new_zeros "
+                     r"made a Tensor; .*pass state= a template of plain tensors", out["dropping"]), out["dropping"]
+    assert out["init_state"] == out["import_full"] == ("Int8AllGather", True), out

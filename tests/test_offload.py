@@ -385,7 +385,8 @@ def _copying_run(variants):
             cost = estimate(plan, x, loss=lambda out: F.mse_loss(out, y), optimizer=tx, profiles=profiles)
             printed = [line for line in str(plan).splitlines() if "copied between host and device" in line]
             out[name] = (ran, collections.Counter((c.kind, c.what, c.nbytes) for c in cost.copies),
-                         cost.copy_bytes_by_kind(), printed, [line for line in str(cost).splitlines() if "copies" in line])
+                         cost.copy_bytes_by_kind(), printed,
+                         [line for line in str(cost).splitlines() if "copies" in line])
     finally:
         for m, n, f in saved:
             setattr(m, n, f)
@@ -408,7 +409,8 @@ def test_cost_counts_the_offload_copies_the_runtime_makes():
         assert printed == [f"  copied between host and device (CPU offload), per step: host-to-device "
                            f"{step['host-to-device'] / 2**20:.2f} MiB, device-to-host "
                            f"{step['device-to-host'] / 2**20:.2f} MiB"], printed
-        assert any(line.startswith("  host-to-device copies (CPU offload): parameters") for line in cost_lines), cost_lines
+        assert any(line.startswith("  host-to-device copies (CPU offload): parameters")
+                   for line in cost_lines), cost_lines
     one = out["one_group"][0]
     # blocks.1 (Linear(6, 19) and Linear(19, 6), fp32; rank 0's padded shards: 10x6 + 10 + 3x19 + 3 = 130 elements,
     # 520 B): in before its forward and its backward gather, its gradients out once
