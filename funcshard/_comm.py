@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from funcshard._spec import ShardingError
 
 __all__ = ["CommHook", "bf16_reduce_scatter", "check_comm", "check_extension", "custom_comm", "hook_nbytes", "int8_all_gather",
-           "wire_nbytes"]
+           "plain", "wire_nbytes"]
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
 
@@ -53,8 +53,8 @@ class CommHook:
     A functional hook's result is taken over by funcshard, which frees its storage when the group reshards (the
     all-gather's) or once it is added to the gradient (the reduce-scatter's): return a fresh tensor, not a buffer the
     hook keeps for the next call (a view of the hook's input is copied). At world size 1 no collective runs, so hooks
-    are not called (``int8_all_gather`` quantizes nothing there). A checkpoint stores plain tensors: a state of
-    tensor subclasses (the all-gather extension) loads as plain tensors, so re-wrap them after loading.
+    are not called (``int8_all_gather`` quantizes nothing there). A state of tensor subclasses (the all-gather
+    extension) loads back as those subclasses (``funcshard.checkpoint.load``).
     """
 
     all_gather: Any = None
@@ -249,6 +249,11 @@ def _wrapper_subclass(t: torch.Tensor) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor (or parameter), not a tensor subclass."""
+    return type(t) in _PLAIN
 
 
 def storage_ptr(t: torch.Tensor) -> int:

@@ -107,11 +107,25 @@ class UpdateProfile:
         state_bytes: bytes of the optimizer state (``init``'s tensors).
         peak_extra: the update's (and ``apply_updates``') highest live bytes beyond shards, gradients and state.
         cost: the update's ops (FLOPs, bytes) as one stretch.
+        offloaded: ``(group, bytes)`` of the state ``optim.offload`` keeps on the host, each group's copied to the
+            device and back by every update.
     """
 
     state_bytes: int
     peak_extra: int
     cost: Stretch
+    offloaded: tuple[tuple[str, int], ...] = ()
+
+
+def _offloaded(state: Any) -> tuple[tuple[str, int], ...]:
+    """``(group, bytes)`` of every ``optim.offload`` state inside an optimizer state (chains are tuples)."""
+    from funcshard import optim
+
+    if isinstance(state, optim.OffloadState):
+        return tuple(state.group_nbytes().items())
+    if isinstance(state, tuple):
+        return tuple(x for s in state for x in _offloaded(s))
+    return ()
 
 
 class _Live(TorchDispatchMode):
@@ -405,6 +419,7 @@ def profile_update(optimizer: Any, shards: dict[str, tuple[tuple[int, ...], torc
     live.ignore = {id(t.untyped_storage()) for t in (*params.values(), *grads.values())}
     with mode, live:
         state = optimizer.init(params)
+        offloaded = _offloaded(state)
         state_bytes = live.live()
         live.cut()
         kw = {"donate": True} if donate else {}
@@ -413,4 +428,4 @@ def profile_update(optimizer: Any, shards: dict[str, tuple[tuple[int, ...], torc
         params = optim.apply_updates(params, updates, **kw)
         del updates
         cost = live.cut()
-    return UpdateProfile(state_bytes, max(0, cost.peak - state_bytes), cost)
+    return UpdateProfile(state_bytes, max(0, cost.peak - state_bytes), cost, offloaded)

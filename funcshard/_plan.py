@@ -321,6 +321,10 @@ class Plan:
             if wire:  # (none at world size 1: no collective runs)
                 lines.append("  moved by the groups' comm hooks: " + ", ".join(
                     f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
+        copied = step.copy_totals()  # (CPU offload)
+        if copied:
+            lines.append("  copied between host and device (CPU offload), per step: " + ", ".join(
+                f"{k} {v / 2**20:.2f} MiB" for k, v in copied.items()))
         kept = step.kept_after_forward()
         lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
                      f"(groups not resharded, or resharded to fewer ranks)")

@@ -31,13 +31,14 @@ from funcshard._spec import ShardSpec
 if TYPE_CHECKING:
     from funcshard._plan import Plan
 
-__all__ = ["Collective", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "schedule"]
+__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_REDUCE = "all-reduce"
 FREE = "free"
 BACKWARD = "-- backward --"  # the marker between forward and backward
+HOST_TO_DEVICE, DEVICE_TO_HOST = "host-to-device", "device-to-host"  # CPU offload's copies (HostCopy)
 
 
 def label(name: str) -> str:
@@ -120,6 +121,27 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """One copy between the host and the device in a step (CPU offload, ``_offload``): an offloaded group's shards
+    copied to the device before each all-gather of them (``GroupBuffers.issue``; a re-gather from the shards kept on
+    ``k`` ranks after forward copies nothing), its gradient shards copied back after its reduce-scatter
+    (``HostReduce``); ``funcshard.cost`` adds ``optim.offload``'s state of each group, in and out. On a CPU mesh the
+    host is the device and nothing is copied: these are the bytes the same plan copies on an accelerator.
+
+    Attributes:
+        kind: ``"host-to-device"`` or ``"device-to-host"``.
+        group: the group's name (``""``: the root group).
+        what: ``"parameters"``, ``"gradients"`` or ``"optimizer state"``.
+        nbytes: the bytes copied (the local shards, padding included, in their own dtype).
+    """
+
+    kind: str
+    group: str
+    what: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Op:
     """One line of a step: a group's all-gather, free or reduce-scatter, or the start of backward.
 
@@ -163,6 +185,7 @@ class Schedule:
     ops: tuple[Op, ...]
     group_nbytes: tuple[tuple[str, int], ...]
     kept_fraction: tuple[int, ...] = ()  # per group: 0 freed after forward, 1 kept, k a k-th kept
+    copies: tuple[HostCopy, ...] = ()  # CPU offload: the step's host <-> device copies, in issue order
 
     def lines(self) -> list[str]:
         """The step as printed by ``Plan.collective_order()``, one string per op."""
@@ -177,6 +200,13 @@ class Schedule:
         ``"all-reduce"`` when the step has one: HSDP)."""
         out = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
         for c in self.collectives():
+            out[c.kind] = out.get(c.kind, 0) + c.nbytes
+        return out
+
+    def copy_totals(self) -> dict[str, int]:
+        """Bytes copied per step between host and device by kind (CPU offload; empty without an offloaded group)."""
+        out: dict[str, int] = {}
+        for c in self.copies:
             out[c.kind] = out.get(c.kind, 0) + c.nbytes
         return out
 
@@ -320,6 +350,12 @@ def _build(plan: Plan) -> Schedule:
             if (k := plan.post_forward_world(g)) is not None}
     reduces = {g.name: _collectives(REDUCE_SCATTER, g, _reduced(specs[g.name]), plan) for g in plan.groups}
     ops: list[Op] = []
+    copies: list[HostCopy] = []
+    host = {g.name: sum(s.local_numel * s.dtype.itemsize for s in specs[g.name]) for g in plan.groups
+            if g.offload_to_cpu}  # (an offloaded group's shards: copied in before each all-gather of them)
+    grads_back = {g.name: sum(s.local_numel * s.dtype.itemsize for s in specs[g.name] if s.requires_grad
+                              and (s.dtype.is_floating_point or s.dtype.is_complex))
+                  for g in plan.groups if g.offload_to_cpu}  # (its gradient shards, back after the reduce-scatter)
     gathered: set[str] = set()
     resharded: set[str] = set()  # groups kept sharded over k ranks after forward: their next gather runs on k
     empty = {g.name for g in plan.groups if not g.params}
@@ -334,6 +370,8 @@ def _build(plan: Plan) -> Schedule:
                 ops.append(Op(ALL_GATHER, name, f"{why}; from {k} ranks" if why else f"from {k} ranks", colls))
             else:
                 ops.append(Op(ALL_GATHER, name, why, gathers[name]))
+                if name in host:
+                    copies.append(HostCopy(HOST_TO_DEVICE, name, "parameters", host[name]))
 
     def free_after_forward(g) -> None:
         gathered.discard(g.name)
@@ -365,6 +403,8 @@ def _build(plan: Plan) -> Schedule:
     def reduce_scatter(g) -> None:
         if g.name not in empty:
             ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
+            if grads_back.get(g.name):
+                copies.append(HostCopy(DEVICE_TO_HOST, g.name, "gradients", grads_back[g.name]))
             if g.reshard_after_backward:
                 gathered.discard(g.name)
 
@@ -385,4 +425,4 @@ def _build(plan: Plan) -> Schedule:
     kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
                  for g in plan.groups)
     return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups),
-                    kept)
+                    kept, tuple(copies))

@@ -32,8 +32,9 @@ def _fail(plan: Plan, what: str, problems: list[str], fix: str) -> ShardingError
     return ShardingError(f"{what} (mesh {mesh_str(plan.mesh)}):\n" + "\n".join(shown) + f"\n{fix}")
 
 
-def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "state") -> None:
-    """Raise a :class:`ShardingError` naming every key of ``state`` that does not fit ``plan``."""
+def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "state", on_host=()) -> None:
+    """Raise a :class:`ShardingError` naming every key of ``state`` that does not fit ``plan``. ``on_host``: keys
+    expected on the host besides the offloaded groups' (``optim.offload``'s state)."""
     if not isinstance(state, Mapping):
         raise ShardingError(
             f"{what} must be a dict of local shards (what funcshard.shard returns), got {type(state).__name__}"
@@ -42,6 +43,8 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
     expect = expected_shards(plan)
     if len(state) == len(expect):
         device_type, tensor, host = plan.mesh.device_type, torch.Tensor, host_keys(plan)
+        if on_host:
+            host = {**host, **dict.fromkeys(on_host)}
         for k, v in state.items():
             e = expect.get(k)
             if (e is None or not isinstance(v, tensor) or v.shape != e[0] or v.dtype is not e[1]
@@ -50,7 +53,7 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
         else:
             return
     problems = []
-    specs, host = plan.specs, host_keys(plan)
+    specs, host = plan.specs, {**host_keys(plan), **dict.fromkeys(on_host)}
     for k, v in state.items():
         spec = specs.get(k)
         if spec is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,9 +28,11 @@ from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import gather_tangents
+from funcshard._comm import plain
+from funcshard._compat import dtensor_local
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
-from funcshard._offload import place_state
+from funcshard._offload import HOST, place_state, to_host
 from funcshard._plan import Plan, module_params
 from funcshard._shard import _fail, check_state
 from funcshard._spec import ShardingError
@@ -56,20 +58,43 @@ def _buffers(plan: Plan) -> dict[str, torch.Tensor]:
     return {k: v for k, v in plan.module.state_dict(keep_vars=True).items() if k not in names}
 
 
-def _parts(opt_state: Any, where: str = "opt_state") -> list[tuple[str, Any]]:
-    """The NamedTuple states inside a (chained) optimizer state, with where they are."""
+def _parts(opt_state: Any, where: str = "opt_state", host: bool | None = None) -> list[tuple[str, Any, bool | None]]:
+    """The NamedTuple states inside a (chained, offloaded) optimizer state, with where they are and, inside an
+    ``optim.offload`` state (its groups' states, each over some of the parameters), whether that keeps them pinned on
+    the host (None: not offloaded)."""
     if optim.is_chain_state(opt_state):
-        return [p for i, s in enumerate(opt_state) for p in _parts(s, f"{where}[{i}]")]
+        return [p for i, s in enumerate(opt_state) for p in _parts(s, f"{where}[{i}]", host)]
+    if isinstance(opt_state, optim.OffloadState):
+        return [p for name, s in opt_state.groups.items()
+                for p in _parts(s, f"{where}.groups[{name!r}]", bool(opt_state.pinned))]
     if not hasattr(opt_state, "_fields"):
         raise TypeError(f"{where} is a {type(opt_state).__name__}, not a funcshard.optim state; pass what "
                         f"tx.init(state) (or tx.update) returned")
-    return [(where, opt_state)]
+    return [(where, opt_state, host)]
 
 
-def _per_param(plan: Plan, opt_state: Any) -> tuple[list[tuple[str, Any, str, str]], int]:
-    """[(where, part, field, torch name)] for every per-parameter tree of ``opt_state``, and its step count."""
-    out, counts = [], set()
-    for where, part in _parts(opt_state):
+class _Tree(NamedTuple):
+    """One per-parameter tree of an optimizer state: ``getattr(part, field)``, saved as ``optim.state.<path>.<name>``;
+    ``host``: None, or (``optim.offload``'s) whether it lives pinned on the host."""
+
+    where: str
+    part: Any
+    field: str
+    name: str
+    host: bool | None
+
+    @property
+    def tree(self) -> Mapping[str, torch.Tensor]:
+        return getattr(self.part, self.field)
+
+
+def _per_param(plan: Plan, opt_state: Any) -> tuple[list[_Tree], int]:
+    """Every per-parameter tree of ``opt_state``, and its step count. Trees of one name (``optim.offload``'s
+    groups' moments) hold disjoint parameters."""
+    out: list[_Tree] = []
+    counts = set()
+    saved: dict[tuple[str, str], str] = {}  # (torch name, parameter) -> where
+    for where, part, host in _parts(opt_state):
         if "count" in part._fields:
             counts.add(part.count)
         names = _TORCH_NAMES.get(type(part))
@@ -83,9 +108,11 @@ def _per_param(plan: Plan, opt_state: Any) -> tuple[list[tuple[str, Any, str, st
             if not isinstance(tree, Mapping) or not set(tree) <= set(plan.specs):
                 raise ShardingError(f"{where}.{field} is not a dict keyed by the plan's parameters (all, or the "
                                     f"trained ones); pass the optimizer state of this plan's state (tx.init(state))")
-            if any(n == name for _, _, _, n in out):
-                raise ShardingError(f"{where}: two optimizer states would be saved as {name!r}")
-            out.append((where, part, field, name))
+            for k in tree:
+                if saved.setdefault((name, k), where) != where:
+                    raise ShardingError(f"{where}: two optimizer states would be saved as {name!r} of {k!r} (the "
+                                        f"other at {saved[name, k]})")
+            out.append(_Tree(where, part, field, name, host))
     if len(counts) > 1:
         raise ShardingError(f"opt_state holds different step counts {sorted(counts)}; pass one optimizer's state")
     return out, counts.pop() if counts else 0
@@ -96,7 +123,7 @@ def _held(plan: Plan, opt_state: Any, trees: list) -> list[str]:
     out, as torch's optimizers leave out parameters they were not given); with no tree (plain SGD), every one."""
     if not trees:
         return list(plan.specs)
-    keys = {k for _, part, field, _ in trees for k in getattr(part, field)}
+    keys = {k for t in trees for k in t.tree}
     return [k for k in plan.specs if k in keys]
 
 
@@ -105,7 +132,8 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     """The DCP state dict of ``state`` (and ``opt_state``): ``{"model": {path: DTensor}, "optim": {...}}``.
 
     Each value is a DTensor of the parameter's global shape over the shard (no copy: ``dcp.load`` into it writes
-    into ``state`` and ``opt_state``); see the module docstring for the keys. ``tx``: the optimizer, for
+    into ``state`` and ``opt_state``; a tensor subclass's values are copied into a plain tensor, which a load does not
+    write back: load such a state with :func:`load`); see the module docstring for the keys. ``tx``: the optimizer, for
     ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
     ``get_optimizer_state_dict`` asks for on load: required with ``opt_state`` (a ``TypeError`` without it); a
     ``tx`` that is not one of torch's optimizers writes none (such a checkpoint loads with :func:`load` only).
@@ -117,7 +145,11 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
                 copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
     """``state_dict``, each tensor first passed through ``copy`` (``async_save``'s snapshot) when given."""
     check_state(plan, state)
-    take = copy or (lambda t: t)
+    snap = copy or (lambda t: t)
+
+    def take(t):
+        return snap(t) if plain(t) else _values(t)
+
     rank, mesh, specs = _rank(plan), plan.mesh, plan.specs
     model = {}
     for k, s in specs.items():
@@ -133,11 +165,12 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
         trees, step = _per_param(plan, opt_state)
         held = _held(plan, opt_state, trees)  # the parameters with optimizer state (FSDP2: the trained ones)
         per = {k: {"step": torch.tensor(float(step))} for k in held}
-        for _, part, field, name in trees:
-            tree = getattr(part, field)
-            check_state(plan, {**state, **tree}, what=f"optimizer state {field}")  # (a subset: the rest is state)
+        for t in trees:
+            tree = t.tree
+            check_state(plan, {**state, **tree}, what=f"optimizer state {t.field}",  # (a subset: the rest is state)
+                        on_host=tree if t.host is not None else ())  # (optim.offload's: on the host)
             for k in tree:
-                per[k][name] = present(specs[k], take(tree[k]), mesh, rank)
+                per[k][t.name] = present(specs[k], take(tree[k]), mesh, rank)
         out[OPTIM] = {"state": per}
         group = getattr(tx, "torch_param_group", None)
         if group is not None:
@@ -214,7 +247,8 @@ def _expect(problems: list[str], md: dict, key: str, shape: tuple, dtype: torch.
                         f"{tuple(shape)} {dtype}")
 
 
-def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: Any):
+def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mapping[str, torch.Tensor] | None = None,
+         **dcp_kwargs: Any):
     """Read a checkpoint (written by :func:`save` at any world size and layout, or by FSDP2) into new shards.
 
     Returns ``state``, or ``(state, opt_state)`` when ``opt_state`` is given: a template saying the optimizer
@@ -223,7 +257,15 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     torch's SGD writes, gives 1 where it holds momentum buffers, 0 where not: torch keeps a learning-rate schedule's
     count in its scheduler, so a schedule restarts there). The template's moment trees may hold a subset of the
     parameters (frozen ones left out, as torch's optimizers keep no state for parameters they were not given);
-    only their state is read. The checkpoint is checked
+    only their state is read. An ``optim.offload`` state loads on the host, pinned as the template's was (its
+    checkpoint is ``tx``'s: either loads into the other).
+
+    Tensor subclasses stay what they were (FSDP2's all-gather extension, ``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather``, e.g. an int8 or float8 all-gather, keeps running after a resume): a parameter's shard
+    takes the class of ``state[path]`` (``state``: the current shards, a template, not modified; default: the
+    planned module's parameter, as :func:`funcshard.shard` does), a moment the class of the template's; the values
+    are read as plain tensors and copied into ``proto.new_zeros(...)`` of that class (a class whose ``new_zeros``
+    does not keep it raises). The checkpoint is checked
     against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
     every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check). A
     directory whose save did not commit (``<path>.saving``, or one without DCP's ``.metadata``) is refused.
@@ -258,17 +300,18 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
                          for k in held if k not in stepped]
         for k in stepped:
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
-        for _, part, field, name in trees:
-            for k in getattr(part, field):
-                _expect(problems, md, f"{OPTIM}.state.{k}.{name}", specs[k].global_shape, specs[k].dtype)
+        for t in trees:
+            for k in t.tree:
+                _expect(problems, md, f"{OPTIM}.state.{k}.{t.name}", specs[k].global_shape, specs[k].dtype)
     if problems:
         raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
                     "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
                     "the checkpoint was written from.")
 
-    def fresh(s):
-        return torch.zeros(s.local_shape, dtype=s.dtype, device=device)
+    def fresh(s, where=device):
+        return torch.zeros(s.local_shape, dtype=s.dtype, device=where)
 
+    protos = _classes(plan, state)  # (checked before anything is read)
     state = place_state(plan, {k: fresh(s) for k, s in specs.items()})  # (CPU offload: on the host)
     sd: dict[str, Any] = {MODEL: {keys[k]: present(s, state[k], mesh, rank) for k, s in specs.items()}}
     new_buffers = {k: torch.empty_like(b) for k, b in buffers.items()}
@@ -276,10 +319,14 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     filled: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     if opt_state is not None:
         sd[OPTIM] = {"state": {k: {"step": torch.zeros(())} for k in stepped}}
-        for _, part, field, name in trees:
-            tree = filled[id(part), field] = place_state(plan, {k: fresh(specs[k]) for k in getattr(part, field)})
+        for t in trees:
+            if t.host is None:  # where the plan puts the parameters (an offloaded group's: on the host)
+                tree = place_state(plan, {k: fresh(specs[k]) for k in t.tree})
+            else:  # optim.offload's: on the host, pinned as it was
+                tree = {k: to_host(fresh(specs[k], HOST), t.host) for k in t.tree}
+            filled[id(t.part), t.field] = tree
             for k in tree:
-                sd[OPTIM]["state"].setdefault(k, {})[name] = present(specs[k], tree[k], mesh, rank)
+                sd[OPTIM]["state"].setdefault(k, {})[t.name] = present(specs[k], tree[k], mesh, rank)
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
     if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
         # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
@@ -287,6 +334,14 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
         if len(steps) != 1:
             raise ShardingError(f"checkpoint {checkpoint_id}: the parameters' optimizer steps differ "
                                 f"({sorted(steps)}); funcshard.optim keeps one count for all")
+    del sd
+    # tensor subclasses (FSDP2's all-gather extension) as they were: the parameters' like the template's (or the
+    # planned module's) shards, the optimizer's like the template's leaves
+    state = {k: _retyped(protos.get(k), v, f"parameter {k!r}") for k, v in state.items()}
+    for t in trees:
+        tree = filled[id(t.part), t.field]
+        for k in tree:
+            tree[k] = _retyped(t.tree[k], tree[k], f"{t.where}.{t.field}[{k!r}]")
     with torch.no_grad():
         for k, b in buffers.items():
             b.copy_(new_buffers[k])
@@ -299,7 +354,63 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, **dcp_kwargs: An
     return state, _rebuild(opt_state, filled, step)
 
 
+def _classes(plan: Plan, like: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The parameters whose shards are tensor subclasses, each with a tensor of its class: ``like``'s shards (checked
+    against the plan), else the planned module's parameters (a model-sharded one's local tensor)."""
+    if like is not None:
+        check_state(plan, like, what="load(..., state=): the template state")
+        out = {k: v for k, v in like.items() if not plain(v)}
+    else:
+        out = {}
+        for k, v in module_params(plan).items():
+            v = dtensor_local(v) if plan.specs[k].model is not None else v
+            if not plain(v):
+                out[k] = v
+    for k, v in out.items():  # (before anything is read: a class that cannot be re-made raises here)
+        with torch.no_grad():
+            _check_class(v, v.new_zeros((0,)), f"parameter {k!r}")
+    return out
+
+
+def _check_class(proto: torch.Tensor, made: torch.Tensor, where: str) -> None:
+    if type(made) is not type(proto):
+        raise ShardingError(
+            f"funcshard.checkpoint: {where} is a {type(proto).__name__}, and {type(proto).__name__}.new_zeros made a "
+            f"{type(made).__name__}; it makes each such shard with the class's new_zeros and copies the "
+            f"checkpoint's values in (copy_). Make new_zeros keep the class (as torchao's float8 weights do), "
+            f"or pass state= a template of plain tensors and wrap the loaded ones yourself")
+
+
+def _as_module(plan: Plan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (plain shards just made) with each shard of a tensor-subclass parameter of the planned module made of
+    its class (the all-gather extension kept, as :func:`funcshard.shard` keeps it)."""
+    protos = _classes(plan, None)
+    return {k: _retyped(protos.get(k), v, f"parameter {k!r}") for k, v in state.items()} if protos else state
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass's values as a plain tensor (``copy_`` into one, as ``_retyped`` copies them back): what a
+    checkpoint holds, so that it loads without the class (``torch.load(weights_only=True)``, FSDP2)."""
+    with torch.no_grad():
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        out.copy_(t)
+    return out
+
+
+def _retyped(proto: torch.Tensor | None, t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` (a plain tensor just loaded) as ``proto``'s tensor subclass: ``t`` itself where ``proto`` is plain."""
+    if proto is None or plain(proto):
+        return t
+    with torch.no_grad():
+        out = proto.new_zeros(t.shape, dtype=t.dtype, device=t.device)
+        _check_class(proto, out, where)
+        out.copy_(t)
+    return out
+
+
 def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
+    if isinstance(opt_state, optim.OffloadState):
+        return opt_state._replace(groups={n: _rebuild(s, filled, step) for n, s in opt_state.groups.items()})
     if optim.is_chain_state(opt_state):
         parts = [_rebuild(s, filled, step) for s in opt_state]
         return tuple(parts) if type(opt_state) is tuple else type(opt_state)(*parts)
@@ -428,7 +539,8 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
     :func:`export_full`'s): each rank reads only the bytes of its own rows, so the peak memory is the sharded
     state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
     ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
-    loaded). The module's buffers found in the file are loaded into it."""
+    loaded). The module's buffers found in the file are loaded into it. A tensor-subclass parameter's shards are
+    made of its class (as :func:`load` does)."""
     _not_model_sharded(plan, "import_full")
     reader = Reader(path)
     try:
@@ -465,7 +577,7 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
                 reader.read_box(k, (0,) * b.dim(), tuple(b.shape), b)
     finally:
         reader.close()
-    state = place_state(plan, state)  # (CPU offload: on the host)
+    state = _as_module(plan, place_state(plan, state))  # (CPU offload: on the host)
     mark(plan.specs.values(), state.values())
     return state
 
@@ -489,7 +601,8 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
     after it the rank keeps its shards. Peak memory: the sharded state plus one module's full parameters. ``init``
     must initialise only the module it is given (a parent initialising its children's parameters raises). With
     ``seed``, the caller's RNG is left untouched. Meta buffers become zeros on the mesh's device unless the init sets
-    them (compute non-persistent tables, e.g. RoPE's, in your init).
+    them (compute non-persistent tables, e.g. RoPE's, in your init). A tensor-subclass parameter's shards are made of
+    its class (as :func:`load` does).
     """
     from funcshard._checkpoint_init import check_default_init, gather_one, modules_in_order, rng, run
 
@@ -513,7 +626,7 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
 
     with rng(seed, device, [plan.mesh.get_group(a) for a in range(plan.mesh.ndim)]):
         run(mods, init, device, make, keep)
-    out = place_state(plan, {k: state[k] for k in specs})  # (CPU offload: on the host)
+    out = _as_module(plan, place_state(plan, {k: state[k] for k in specs}))  # (CPU offload: on the host)
     mark(specs.values(), out.values())
     return out
 

@@ -52,7 +52,8 @@ from funcshard._cost_trace import (
     profile_update,
 )
 from funcshard._plan import ROOT, Plan
-from funcshard._schedule import ALL_GATHER, ALL_REDUCE, BACKWARD, FREE, REDUCE_SCATTER, Collective, Op, label, schedule
+from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, FREE, HOST_TO_DEVICE, REDUCE_SCATTER,
+                                 Collective, HostCopy, Op, label, schedule)
 from funcshard._spec import ShardingError
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
@@ -212,6 +213,11 @@ class Cost:
         traced_on: the device type the step was traced on: the mesh's, or ``"cpu"`` where this process lacks it
             (e.g. planning for CUDA on a CPU-only machine: activations are then the CPU kernels', e.g. its
             attention's, which may differ from the target's).
+        copies: CPU offload's copies between host and device in the step (``HostCopy``: the offloaded groups'
+            shards in before each all-gather, their gradient shards out after the reduce-scatter, in issue order;
+            then ``optim.offload``'s state of each group, in and out, when the optimizer is one). Counted in
+            bytes only: the time estimate and the memory categories do not model them (an offloaded group's
+            shards and ``optim.offload``'s state count as device memory).
     """
 
     plan: Plan = dataclasses.field(repr=False)
@@ -225,6 +231,7 @@ class Cost:
     exposed_s: float | None = None
     intervals: tuple[Interval, ...] = dataclasses.field(default=(), repr=False)
     traced_on: str = "cpu"
+    copies: tuple[HostCopy, ...] = dataclasses.field(default=(), repr=False)
 
     def counts(self) -> dict[str, int]:
         """Collectives per step by kind."""
@@ -248,6 +255,15 @@ class Cost:
             out[c.kind] = out.get(c.kind, 0) + wire_nbytes(self.plan, c)
         return out
 
+    def copy_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes copied between host and device per step (CPU offload), ``{"host-to-device": ..., "device-to-host":
+        ...}``: what an accelerator's copy engine moves for the plan's offloaded groups (and an ``optim.offload``
+        optimizer); zeros without offload."""
+        out = {HOST_TO_DEVICE: 0, DEVICE_TO_HOST: 0}
+        for c in self.copies:
+            out[c.kind] += c.nbytes
+        return out
+
     def max_by_category(self) -> dict[str, int]:
         """Each category's own highest value over the step (they need not peak together)."""
         return {k: max(p.bytes[k] for p in self.points) for k in CATEGORIES}
@@ -266,6 +282,14 @@ class Cost:
         wire = self.wire_bytes_by_kind()
         lines += [f"  {k}: {counts[k]} per step, {mib(nbytes[k])} (unsharded buffers)" +
                   (f", {mib(wire[k])} moved by the comm hooks" if wire[k] != nbytes[k] else "") for k in counts]
+        if self.copies:
+            by = {}
+            for c in self.copies:
+                by.setdefault(c.kind, {}).setdefault(c.what, [0, 0])
+                by[c.kind][c.what][0] += 1
+                by[c.kind][c.what][1] += c.nbytes
+            lines += [f"  {kind} copies (CPU offload): " + ", ".join(
+                f"{what} {n} per step, {mib(b)}" for what, (n, b) in whats.items()) for kind, whats in by.items()]
         if self.step_s is not None:
             lines.append(f"  step {self.step_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, collectives "
                          f"{self.comm_s * 1e3:.1f} ms of which {self.exposed_s * 1e3:.1f} ms exposed")
@@ -592,8 +616,11 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     timing = {}
     if hardware is not None:
         timing = dict(step_s=r.t, compute_s=r.compute, comm_s=r.comm, exposed_s=r.exposed)
+    copies = r.step.copies + tuple(HostCopy(kind, name, "optimizer state", n) for name, n in
+                                   (update.offloaded if update is not None else ()) for kind in (HOST_TO_DEVICE,
+                                                                                                  DEVICE_TO_HOST))
     return Cost(plan, peak.total, peak, tuple(r.points), tuple(r.collectives), intervals=tuple(r.intervals),
-                traced_on=prof.device, **timing)
+                traced_on=prof.device, copies=copies, **timing)
 
 
 def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | None = None,

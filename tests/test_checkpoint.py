@@ -831,3 +831,196 @@ def test_export_full_on_an_hsdp_mesh_has_one_writer(tmp_path):
     for e in (errors[0], errors[2], errors[3]):
         assert re.search(r"ShardingError: export_full: the writing rank \(1 of axis 1 in replica 0 of axis 0\) "
                          r"failed, the callable stopped: ValueError: refusing pos", e), errors
+
+
+# ---- optim.offload's state (issue 19): saved as tx's, loaded on the host, pinned as it was -------------------------
+
+
+def _offload_tx(plan, pin_memory=False):
+    return optim.chain(optim.clip_by_global_norm(1.0),
+                       optim.offload(optim.adamw(lr=1e-2, weight_decay=0.1), plan, pin_memory=pin_memory))
+
+
+def _moments(opt_state):
+    """{(torch name, path): tensor} of a chain(clip, adamw) or chain(clip, offload(adamw)) state."""
+    inner = opt_state[1]
+    parts = inner.groups.values() if isinstance(inner, optim.OffloadState) else [inner]
+    return {(n, k): v for s in parts for n, tree in (("mu", s[0].mu), ("nu", s[0].nu)) for k, v in tree.items()}
+
+
+def _offload_resume(path):
+    """The GPT plan with blocks.1 offloaded (CPUOffloadPolicy) and optim.offload's AdamW (chained after the clip):
+    train 2 steps, save, train 3 (the uninterrupted run); load into a plan of other initial values and train 3; load
+    the same checkpoint into tx's (not offloaded) state and back; pinned: load pins what init pinned."""
+    import funcshard._offload as offload_mod
+
+    def offloaded_plan(seed):
+        return _plan(_gpt(seed)).with_group("blocks.1", offload_policy=funcshard.CPUOffloadPolicy(pin_memory=False))
+
+    out = {}
+    plan = offloaded_plan(0)
+    tx = _offload_tx(plan)
+    state = funcshard.shard(plan)
+    _, state, opt_state = _train(plan, tx, state, tx.init(state), 2)
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/off", tx=tx)
+    checkpoint.async_save(plan, state, opt_state, checkpoint_id=f"{path}/async", tx=tx).result()
+    saved = {k: v.clone() for k, v in state.items()}, {k: v.clone() for k, v in _moments(opt_state).items()}
+    reference = _train(plan, tx, state, opt_state, STEPS, start=2)
+
+    plan = offloaded_plan(1)
+    tx = _offload_tx(plan)
+    got, got_opt = checkpoint.load(plan, f"{path}/off", opt_state=tx.init(funcshard.shard(plan)))
+    out["loaded"] = (all(torch.equal(got[k], saved[0][k]) for k in got),
+                     all(torch.equal(v, saved[1][k]) for k, v in _moments(got_opt).items()),
+                     isinstance(got_opt[1], optim.OffloadState), got_opt[1].groups["blocks.0"][0].count,
+                     {v.device.type for v in _moments(got_opt).values()})
+    resumed = _train(plan, tx, got, got_opt, STEPS, start=2)
+    out["resumed"] = (reference[0] == resumed[0], all(torch.equal(reference[1][k], resumed[1][k]) for k in got),
+                      all(torch.equal(v, _moments(resumed[2])[k]) for k, v in _moments(reference[2]).items()))
+    # the same keys as tx's checkpoint: it loads into the state of tx without offload, and that one's back
+    plain_tx = _tx()
+    _, plain_opt = checkpoint.load(plan, f"{path}/off", opt_state=plain_tx.init(funcshard.shard(plan)))
+    checkpoint.save(plan, got, plain_opt, checkpoint_id=f"{path}/plain", tx=plain_tx)
+    _, back = checkpoint.load(plan, f"{path}/plain", opt_state=tx.init(funcshard.shard(plan)))
+    a_state, a_opt = checkpoint.load(plan, f"{path}/async", opt_state=tx.init(funcshard.shard(plan)))
+    out["crossed"] = (all(torch.equal(v, saved[1][k]) for k, v in _moments(plain_opt).items()),
+                      all(torch.equal(v, saved[1][k]) for k, v in _moments(back).items()),
+                      all(torch.equal(a_state[k], saved[0][k]) for k in a_state)
+                      and all(torch.equal(v, saved[1][k]) for k, v in _moments(a_opt).items()))
+    # pinned (torch's CPU build cannot pin: _offload.pin records what would be pinned, can_pin says yes)
+    pins, can_pin, pin = [], offload_mod.can_pin, offload_mod.pin
+    offload_mod.can_pin, offload_mod.pin = (lambda: True), (lambda t: pins.append(t) or t)
+    try:
+        pinned_tx = _offload_tx(plan, pin_memory=True)
+        template = pinned_tx.init(funcshard.shard(plan))
+        at_init = len(pins)
+        del pins[:]
+        _, loaded = checkpoint.load(plan, f"{path}/off", opt_state=template)
+    finally:
+        offload_mod.can_pin, offload_mod.pin = can_pin, pin
+    ptrs = {t.untyped_storage().data_ptr() for t in pins}
+    out["pinned"] = (loaded[1].pinned, at_init, len(pins),
+                     ptrs == {t.untyped_storage().data_ptr() for t in _moments(loaded).values()})
+    return out
+
+
+def test_optim_offload_state_round_trips_and_resumes_bit_for_bit(tmp_path):
+    """Before: checkpoint.save of an optim.offload state raised TypeError ('does not know how to name a
+    OffloadState'). Now saved (save and async_save) under tx's keys, loaded on the host (pinned as init pinned it);
+    the resumed run equals the uninterrupted one bit for bit (losses, parameters, moments), and the checkpoint
+    cross-loads with tx's."""
+    out = run_ranks(2, _offload_resume, str(tmp_path))[0]
+    same_params, same_moments, is_offload, count, devices = out["loaded"]
+    assert same_params and same_moments and is_offload and count == 2 and devices == {"cpu"}, out["loaded"]
+    assert out["resumed"] == (True, True, True), out["resumed"]
+    assert out["crossed"] == (True, True, True), out["crossed"]  # tx's and back; async_save's
+    pinned, at_init, at_load, same_tensors = out["pinned"]
+    n = 2 * len(_plan_keys())
+    assert pinned and at_init == at_load == n and same_tensors, out["pinned"]
+
+
+def _plan_keys():
+    return list(dict(_gpt().named_parameters()))
+
+
+# ---- a tensor-subclass state (FSDP2's all-gather extension) stays one after a resume (issue 19) -------------------
+
+
+def _int8_steps(plan, tx, state, opt_state, steps, start):
+    """``steps`` steps of the int8 all-gather MLP (test_comm's); its losses and every all-gather (dtype, bytes)."""
+    from test_comm import _q_batch
+    from test_mesh2d import GroupCollectives
+
+    losses = []
+    with GroupCollectives() as rec:
+        for i in range(start, start + steps):
+            x, y = _q_batch(i)
+            loss, grads = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(plan, s, x), y))(state)
+            state, opt_state = optim.step(tx, grads, opt_state, state)
+            losses.append(loss.item())
+    return losses, state, opt_state, [(c[2], c[4]) for c in rec.calls if c[0] == "all-gather"]
+
+
+def _int8_resume(path):
+    from test_comm import Int8AllGather, _QBlock, _QMLP
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return funcshard.plan(_QMLP(), _mesh(), groups=(_QBlock,))
+
+    key = "blocks.0.l1.weight"
+    plan, tx = make(0), optim.adamw(lr=1e-2)
+    state = funcshard.shard(plan)
+    _, state, opt_state, _ = _int8_steps(plan, tx, state, tx.init(state), 2, 0)
+    kept = type(state[key]).__name__  # (what two steps of the uninterrupted run leave)
+    checkpoint.save(plan, state, opt_state, checkpoint_id=path, tx=tx)
+    reference = _int8_steps(plan, tx, state, opt_state, 2, 2)
+    out = {"trained": kept}
+    for how in ("module", "template"):  # the class of the planned module's parameters, or of a state given
+        plan = make(1)
+        like = funcshard.shard(plan) if how == "template" else None
+        got, got_opt = checkpoint.load(plan, path, opt_state=tx.init(funcshard.shard(plan)), state=like)
+        resumed = _int8_steps(plan, tx, got, got_opt, 2, 2)
+        out[how] = (type(got[key]).__name__, type(got_opt[0].mu[key]).__name__, reference[0] == resumed[0],
+                    all(torch.equal(reference[1][k], resumed[1][k]) for k in got), reference[3] == resumed[3],
+                    reference[3])
+    # a template of plain tensors: plain shards (the extension off, as asked); a class whose new_zeros drops it: refused
+    plain_like = {k: v._data.clone() if isinstance(v, Int8AllGather) else v for k, v in funcshard.shard(plan).items()}
+    out["plain"] = type(checkpoint.load(plan, path, state=plain_like)[key]).__name__
+    dropping = {k: _Dropping(v._data) if isinstance(v, Int8AllGather) else v for k, v in funcshard.shard(plan).items()}
+    try:
+        checkpoint.load(plan, path, state=dropping)
+        out["dropping"] = "loaded"
+    except funcshard.ShardingError as e:
+        out["dropping"] = str(e)
+    # sharded initialisation and a full safetensors import make the module's class too, with the plain run's values
+    plain_plan = funcshard.plan(_QMLP(lambda t: t), _mesh(), groups=(_QBlock,))  # (plain weights, the same shapes)
+    init, plain_init = checkpoint.init_state(plan, seed=3), checkpoint.init_state(plain_plan, seed=3)
+    out["init_state"] = type(init[key]).__name__, all(torch.equal(_plain(init[k]), plain_init[k]) for k in init)
+    checkpoint.export_full(plain_plan, plain_init, f"{path}.safetensors")
+    dist.barrier()
+    imported = checkpoint.import_full(plan, f"{path}.safetensors")
+    out["import_full"] = type(imported[key]).__name__, all(torch.equal(_plain(imported[k]), plain_init[k])
+                                                           for k in imported)
+    return out
+
+
+def _plain(t):
+    return t._data if hasattr(t, "_data") else t
+
+
+def _dropping_class():
+    from test_comm import Int8AllGather
+
+    class _Dropping(Int8AllGather):
+        """Keeps its class through no op (its new_zeros returns a plain tensor)."""
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            from torch.utils._pytree import tree_map
+
+            unwrap = lambda t: t._data if isinstance(t, cls) else t  # noqa: E731
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    return _Dropping
+
+
+_Dropping = _dropping_class()
+
+
+def test_subclass_state_keeps_its_all_gather_extension_after_a_resume(tmp_path):
+    """Before: load returned plain tensors, so the int8 all-gather (Int8AllGather's fsdp_pre_all_gather) silently
+    became an fp32 one after a resume. Now the loaded shards are Int8AllGather again (the planned module's class, or
+    a template state's): the resumed run moves the same all-gather bytes (uint8: int8 weights + scales) and equals
+    the uninterrupted run bit for bit."""
+    out = run_ranks(2, _int8_resume, str(tmp_path / "ckpt"))[0]
+    assert out["trained"] == "Int8AllGather", out
+    for how in ("module", "template"):
+        param_cls, moment_cls, same_losses, same_params, same_gathers, gathers = out[how]
+        assert param_cls == "Int8AllGather" and same_losses and same_params and same_gathers, (how, out[how])
+        block = (torch.uint8, 2 * 64 + 2 * 8 * 4 + 2 * 8 * 4)  # per block: int8 weights, fp32 row scales, biases
+        assert gathers.count(block) == 8, gathers  # 2 steps x 2 blocks x (forward, backward)
+    assert out["plain"] == "Tensor"
+    assert re.search(r"funcshard.checkpoint: parameter .blocks.0.l1.weight. is a _Dropping, and _Dropping.new_zeros "
+                     r"made a Tensor; .*pass state= a template of plain tensors", out["dropping"]), out["dropping"]
+    assert out["init_state"] == out["import_full"] == ("Int8AllGather", True), out

@@ -306,3 +306,115 @@ def test_offloaded_parameters_left_on_meta_raise_at_lazy_init(fake_mesh2):
         funcshard.fully_shard.state(model)._lazy_init()
     model.to_empty(device="cpu")
     funcshard.fully_shard.state(model)._lazy_init()  # materialized on the host: fine
+
+
+# ---- the cost model counts the host <-> device copies (funcshard.cost, Plan printing) ---------------------------
+
+
+def _copying_run(variants):
+    """Per variant, one training step (value_and_grad + optim.step) with the runtime's copies counted as they would
+    be on an accelerator: ``GroupBuffers.issue``'s ``to_device`` returns copies (so nothing is cached between
+    gathers, as there), ``HostReduce``'s shards and ``optim.offload``'s copy-in/out are recorded at their calls.
+    Returns the recorded (kind, what, bytes), the cost model's, the plan's printed line and the cost's."""
+    import collections
+
+    import funcshard._runtime.backward as backward_mod
+    import funcshard._runtime.buffers as buffers_mod
+    from funcshard.cost import estimate
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    seen = []
+
+    def to_device(tensors, device):
+        seen.append(("host-to-device", "parameters", nbytes(tensors)))
+        return [t.clone() for t in tensors]
+
+    class Back:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def finish(self, *args, **kwargs):
+            shards = self.inner.finish(*args, **kwargs)
+            if shards is not None:
+                seen.append(("device-to-host", "gradients", nbytes(shards)))
+            return shards
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def host_reduce(pending, group, device, defer):
+        return Back(pending) if group.offload_to_cpu else pending
+
+    def start_to_device(tensors, device):
+        seen.append(("host-to-device", "optimizer state", nbytes(tensors)))
+        return offload_mod.start_to_device(tensors, device)
+
+    def start_to_host(tensors, pinned, into=None):
+        seen.append(("device-to-host", "optimizer state", nbytes(tensors)))
+        return offload_mod.start_to_host(tensors, pinned, into)
+
+    patches = [(buffers_mod, "to_device", to_device), (backward_mod, "host_reduce", host_reduce),
+               (optim, "start_to_device", start_to_device), (optim, "start_to_host", start_to_host)]
+    saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
+    out, profiles = {}, {}
+    pol = funcshard.CPUOffloadPolicy(pin_memory=False)
+    try:
+        for m, n, f in patches:
+            setattr(m, n, f)
+        for name in variants:
+            torch.manual_seed(0)
+            model = MLP(layers=3)
+            if name == "one_group":  # blocks.1 offloaded, optimizer state on the device
+                plan = funcshard.plan(model, _mesh(), groups=(Block,)).with_group("blocks.1", offload_policy=pol)
+                tx = optim.adamw(lr=1e-2)
+            elif name == "all_kept_optim":  # every group, kept gathered after forward; optim.offload
+                plan = funcshard.plan(model, _mesh(), groups=(Block,), offload_policy=pol, reshard_after_forward=False)
+                tx = optim.offload(optim.adamw(lr=1e-2), plan, pin_memory=False)
+            else:  # "flat": the flat layout, every group offloaded, optim.offload
+                plan = funcshard.plan(model, _mesh(), groups=(Block,), offload_policy=pol, layout="flat")
+                tx = optim.offload(optim.adamw(lr=1e-2), plan, pin_memory=False)
+            state = funcshard.shard(plan)
+            opt_state = tx.init(state)
+            x, y = torch.randn(4, 7), torch.randn(4, 3)
+            del seen[:]
+            loss, grads = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(plan, s, x), y))(state)
+            optim.step(tx, grads, opt_state, state)
+            ran = collections.Counter(seen)  # (before the estimate, whose traced update calls optim.offload's too)
+            cost = estimate(plan, x, loss=lambda out: F.mse_loss(out, y), optimizer=tx, profiles=profiles)
+            printed = [line for line in str(plan).splitlines() if "copied between host and device" in line]
+            out[name] = (ran, collections.Counter((c.kind, c.what, c.nbytes) for c in cost.copies),
+                         cost.copy_bytes_by_kind(), printed,
+                         [line for line in str(cost).splitlines() if "copies" in line])
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
+    return out
+
+
+def test_cost_counts_the_offload_copies_the_runtime_makes():
+    """funcshard.cost (and str(plan)) count each offloaded group's shards copied in before every all-gather of them,
+    its gradient shards copied out after the reduce-scatter, and optim.offload's state of each group in and out:
+    equal, copy by copy, to what the runtime hands its copies in one step (W=2; on a CPU mesh nothing is copied,
+    the calls are counted)."""
+    out = run_ranks(2, _copying_run, ["one_group", "all_kept_optim", "flat"])[0]
+    for name, (seen, counted, by_kind, printed, cost_lines) in out.items():
+        assert seen == counted, (name, seen, counted)
+        total = {k: sum(n * c for (kind, _, n), c in seen.items() if kind == k)
+                 for k in ("host-to-device", "device-to-host")}
+        assert by_kind == total, (name, by_kind, total)
+        step = {k: sum(n * c for (kind, what, n), c in seen.items() if kind == k and what != "optimizer state")
+                for k in total}  # (str(plan): the plan's own copies; the optimizer is not the plan's)
+        assert printed == [f"  copied between host and device (CPU offload), per step: host-to-device "
+                           f"{step['host-to-device'] / 2**20:.2f} MiB, device-to-host "
+                           f"{step['device-to-host'] / 2**20:.2f} MiB"], printed
+        assert any(line.startswith("  host-to-device copies (CPU offload): parameters")
+                   for line in cost_lines), cost_lines
+    one = out["one_group"][0]
+    # blocks.1 (Linear(6, 19) and Linear(19, 6), fp32; rank 0's padded shards: 10x6 + 10 + 3x19 + 3 = 130 elements,
+    # 520 B): in before its forward and its backward gather, its gradients out once
+    assert one == {("host-to-device", "parameters", 520): 2, ("device-to-host", "gradients", 520): 1}, one
+    kept = out["all_kept_optim"][0]
+    assert sum(c for (k, w, _), c in kept.items() if w == "parameters") == 4, kept  # each group gathered once
+    assert sum(c for (k, w, _), c in kept.items() if w == "optimizer state") == 8, kept  # 4 groups, in and out
