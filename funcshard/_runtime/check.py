@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from funcshard._runtime.step import Step
 
 _BITS = 62  # bits per packed word
-_SEQ: dict[tuple[str, str], int] = {}  # (exchange, process group name) -> exchanges so far (the same on every rank)
+_SEQ: dict[tuple[str, int], tuple] = {}  # (exchange, id(group)) -> (group, exchanges so far: the same on every rank)
 _PEERS: dict[int, tuple] = {}  # id(process group) -> (group, its store, world, rank, global ranks); None: fake group
 _DAY = 86400.0
 
@@ -80,8 +80,9 @@ def _peers(pg):
 def _post(kind: str, peers, value: str) -> int:
     """Post this rank's ``value`` for the next exchange of ``kind`` on the group; returns its number."""
     pg, store, world, rank, _ = peers
-    k = (kind, str(getattr(pg, "group_name", id(pg))))
-    seq = _SEQ[k] = _SEQ.get(k, 0) + 1
+    k, hit = (kind, id(pg)), _SEQ.get((kind, id(pg)))  # (per group object: ranks run as threads have one each)
+    seq = (hit[1] if hit is not None and hit[0] is pg else 0) + 1
+    _SEQ[k] = (pg, seq)
     store.set(f"funcshard/{kind}/{seq}/{rank}", f"{seq} {value}")
     return seq
 
