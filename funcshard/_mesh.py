@@ -80,7 +80,7 @@ def replicate_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return mesh.get_group(axis)
 
 
-_POST_FORWARD: dict = {}  # (mesh, k) -> (process group, rank in it): made once (creating groups is collective)
+_POST_FORWARD: dict = {}  # (mesh, axis, k, its group) -> (process group, rank in it): made once (collective)
 
 
 def post_forward_group(mesh: DeviceMesh, axis: int, k: int) -> tuple[dist.ProcessGroup, int]:
@@ -88,7 +88,7 @@ def post_forward_group(mesh: DeviceMesh, axis: int, k: int) -> tuple[dist.Proces
     ``reshard_after_forward``, FSDP2's post-forward mesh, ZeRO++ hpZ): the shard axis ``axis`` cut into consecutive
     blocks of ``k`` ranks (``k`` divides its size), and this rank's index in its block. Made once per mesh, axis and
     ``k``, on every rank in the same order (it creates process groups)."""
-    key = (mesh, axis, k)
+    key = (mesh, axis, k, mesh.get_group(axis))  # (the axis's group: ranks run as threads have a group each)
     hit = _POST_FORWARD.get(key)
     if hit is not None:
         try:

@@ -819,7 +819,8 @@ def _errors():
     m = MLP()
     m.blocks[1].l1.weight = m.blocks[0].l1.weight
     funcshard.fully_shard(m.blocks[0], mesh=mesh)
-    catch("tied_across_units", lambda: funcshard.fully_shard(m.blocks[1], mesh=mesh))
+    funcshard.fully_shard(m.blocks[1], mesh=mesh)  # (refused at the first forward, as FSDP2 does)
+    catch("tied_across_units", lambda: funcshard.fully_shard(m, mesh=mesh)(torch.randn(2, 7)))
     catch("container", lambda: funcshard.fully_shard(MLP().blocks, mesh=mesh))
     scalar = nn.Linear(2, 2)
     scalar.t = nn.Parameter(torch.tensor(1.0))
@@ -866,8 +867,8 @@ ERRORS = {
              r"\(FSDP2: Each distinct composable distributed API can only be applied to a module once.\)",
     "ancestor_first": r"ValueError: fully_shard\(Block\): its parameter 'l1.weight' is already managed by the "
                       r"fully_shard call on MLP, an ancestor; apply fully_shard bottom-up",
-    "tied_across_units": r"ValueError: fully_shard\(Block\): parameter 'l1.weight' is shared with \(tied to\) a "
-                         r"parameter already managed by another fully_shard call, on Block; .*fully_shard\(\[a, b\]\)",
+    "tied_across_units": r"ValueError: fully_shard\(Block\): parameter 'blocks.1.l1.weight' is shared with \(tied to\) "
+                         r"a parameter already managed by another fully_shard call, on Block; .*fully_shard\(\[a, b\]\)",
     "container": r"ValueError: fully_shard does not support containers that do not implement forward",
     "scalar": r"ValueError: fully_shard doesn't support scalar parameters. Change t to a 1D tensor",
     "bad_dim": r"FullyShardError: shard_placement_fn returned Shard\(2\) for 'inp.weight' of shape \(6, 7\); pick a "

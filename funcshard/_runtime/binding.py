@@ -54,7 +54,10 @@ class Binding:
         if b.originals is None:
             b.originals = [param_slots(mod)[attr] for mod, attr, _ in b.slots]
         if b.present is not None:  # the model's DTensors over the gathered local tensors (FSDP over TP)
-            views = tuple(v if f is None else f(v) for f, v in zip(b.present, views))
+            # (with autograd history whenever the local views have it: a swap_in under no_grad, e.g. at a pre-backward
+            # inside backward, makes the DTensors an activation-checkpoint recomputation then reads with grad)
+            with torch.set_grad_enabled(torch.is_grad_enabled() or any(v.requires_grad for v in views)):
+                views = tuple(v if f is None else f(v) for f, v in zip(b.present, views))
         for mod, attr, i in b.slots:
             param_slots(mod)[attr] = views[i]
         b.swapped = True

@@ -72,7 +72,8 @@ if TYPE_CHECKING:
 
 _BITS = 62  # bits per packed word
 _LOW = (1 << 32) - 1  # an add's low 32 bits count ranks, the high bits what they told (differing ranks; the verdict)
-_SEQ: dict[tuple[str, str], int] = {}  # (exchange, process group name) -> exchanges so far (the same on every rank)
+_SEQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> {exchange: exchanges so far (the
+# same on every rank)}; per group object, not name: ranks run as threads (torch's threaded group) have one each
 _PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
 # check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
 _DAY = 86400.0
@@ -108,8 +109,8 @@ def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> t
     per rank (see the module docstring), every wait bounded by ``seconds``; ``doing`` names what the ranks reach
     (its ``#?``: the exchange's number)."""
     pg, store, world, rank, ranks = peers
-    k = (kind, str(getattr(pg, "group_name", id(pg))))
-    seq = _SEQ[k] = _SEQ.get(k, 0) + 1
+    counts = _SEQ.setdefault(pg, {})
+    seq = counts[kind] = counts.get(kind, 0) + 1
     base = f"funcshard/{kind}/{seq}"
     doing = doing.replace("#?", f"#{seq}")
     mine = ("=" + value).encode()  # (never empty: compare_set's "" means "absent")

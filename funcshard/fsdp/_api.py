@@ -344,13 +344,13 @@ class FSDPModule:
         """FSDP2's ``AllGather`` protocol (``allocate`` + in-place ``__call__``) runs this module's group's all-gathers
         (not recursive), with FSDP2's buffers and ``async_op=True``; see ``funcshard._comm``."""
         unit = unit_of(self)
-        self._set(False, comm=custom_comm(getattr(unit, "comm", None), unit.name(), all_gather=comm))
+        self._set(False, comm=custom_comm(unit.comm, unit.name(), all_gather=comm))
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """FSDP2's ``ReduceScatter`` protocol runs this module's group's reduce-scatters (``op=SUM``; funcshard divides
         once after)."""
         unit = unit_of(self)
-        self._set(False, comm=custom_comm(getattr(unit, "comm", None), unit.name(), reduce_scatter=comm))
+        self._set(False, comm=custom_comm(unit.comm, unit.name(), reduce_scatter=comm))
 
     def _get_fsdp_state(self) -> FSDPState:
         """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
@@ -432,7 +432,7 @@ def fully_shard(
     if reshard_after_forward is not None:
         reshard_after_forward = resolve_reshard_after_forward(
             reshard_after_forward, world, "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")")
-    managed, nested, params = _collect(modules, set(ignored_params or ()))
+    managed, nested, params, tied = _collect(modules, set(ignored_params or ()))
     records = []
     for path, p in params:
         placement = shard_placement_fn(p) if shard_placement_fn is not None else None
@@ -459,6 +459,7 @@ def fully_shard(
         records.append(_Param(padded, spec, spec.local_valid(rank), mesh, p.requires_grad))
     # nothing above changed the modules; from here on, register
     unit = _Unit(modules, mesh, records, reshard_after_forward)
+    unit.tied = [(records[i], owner) for i, owner in tied]
     unit.mp_policy = mp_policy
     unit.offload_to_cpu, unit.pin_memory = offload["offload_to_cpu"], offload["pin_memory"]
     for (_, p), r in zip(params, records):
@@ -502,9 +503,10 @@ def _state(module: nn.Module) -> FSDPState | None:
 fully_shard.state = _state  # as FSDP2's fully_shard (a torch ``contract``) has it
 
 
-def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list]:
-    """The modules one call manages (not those under an earlier, nested call), the nested units, and the
-    parameters to shard as (path, parameter); raises on parameters another call manages."""
+def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list, list]:
+    """The modules one call manages (not those under an earlier, nested call), the nested units, the parameters to
+    shard as (path, parameter), and those of them another, unrelated call manages too (tied parameters) as (index,
+    that call's unit); raises on parameters an ancestor's call manages."""
     managed: list[nn.Module] = []
     nested: list[_Unit] = []
     seen: set[int] = set()
@@ -522,7 +524,7 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
         visit(m)
     prefix = {id(x): f"{n}." if n else "" for m in reversed(modules) for n, x in m.named_modules()}
     call = "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")"
-    params, seen = [], set()
+    params, seen, tied = [], set(), []
     for m in managed:
         for attr, p in param_slots(m).items():
             if p is None or p in ignored or id(p) in seen:
@@ -533,16 +535,13 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
                     raise ValueError(f"{call}: its parameter {path!r} is already managed by the fully_shard call "
                                      f"on {owner.name()}, an ancestor; apply fully_shard bottom-up: submodules "
                                      f"first, then their ancestors")
-                raise ValueError(f"{call}: parameter {path!r} is shared with (tied to) a parameter already managed "
-                                 f"by another fully_shard call, on {owner.name()}; a parameter belongs to one unit: "
-                                 f"shard the modules sharing it together, fully_shard([a, b]), or leave it to a "
-                                 f"common ancestor")
+                tied.append((len(params), owner))  # (refused at lazy initialization, as FSDP2 does: _check_tied)
             if p.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {path} to a 1D tensor "
                                  f"with numel equal to 1.")
             seen.add(id(p))
             params.append((path, p))
-    return managed, nested, params
+    return managed, nested, params, tied
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -46,6 +46,8 @@ class _Unit:
         self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: run on the reduced output before the cast back
         self.timeout, self.check = None, False  # set_timeout / set_check_mode: the plan's (the shortest, any check)
         self.offload_to_cpu = self.pin_memory = False  # CPUOffloadPolicy: the Group's fields (_offload)
+        self.comm = None  # set_custom_all_gather / _reduce_scatter: the Group's ``comm`` (funcshard._comm)
+        self.tied: list[tuple[_Param, _Unit]] = []  # parameters another call shards too: refused at lazy init
 
     def name(self) -> str:
         names = [cls_name(m) for m in self.modules]
@@ -106,6 +108,7 @@ class _Context:
         for m in root.modules():
             if (u := m.__dict__.get(UNIT)) is not None and u not in self.units:
                 self.units.append(u)
+        _check_tied(self.units, paths)
         _check_offloaded(self.units, paths)
         recs = {id(r.param): r for u in self.units for r in u.params}
         nested = [u for u in self.units if u is not top]
@@ -167,7 +170,7 @@ class _Context:
                                    unshard_in_backward=u.unshard_in_backward, grad_divide_factor=u.divide_factor,
                                    param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                    output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs,
-                                   comm=getattr(u, "comm", None),  # (set_custom_all_gather / _reduce_scatter)
+                                   comm=u.comm,
                                    offload_to_cpu=u.offload_to_cpu, pin_memory=u.pin_memory)
 
     def _lists(self, kind: str) -> dict[str, tuple[str, ...]]:
@@ -206,6 +209,20 @@ class _Context:
         if self.plan().order_differs(seen) and seen == self.last_order:
             self.order = seen
         self.last_order = seen
+
+
+def _check_tied(units: list[_Unit], paths: dict[int, str]) -> None:
+    """FSDP2's check at lazy initialization (not at ``fully_shard``): no parameter is sharded by two calls under one
+    root (a tied parameter whose modules were sharded apart: each call made a shard of its own)."""
+    for u in units:
+        for r, owner in u.tied:
+            if owner in units:
+                m, a = r.slots[0]
+                fqn = f"{paths[id(m)] + '.' if paths[id(m)] else ''}{a}"
+                raise ValueError(f"fully_shard({u.name()}): parameter {fqn!r} is shared with (tied to) a parameter "
+                                 f"already managed by another fully_shard call, on {owner.name()}; a parameter "
+                                 f"belongs to one unit: shard the modules sharing it together, fully_shard([a, b]), "
+                                 f"or leave it to a common ancestor")
 
 
 def _check_offloaded(units: list[_Unit], paths: dict[int, str]) -> None:

@@ -1,0 +1,165 @@
+"""Behaviours PyTorch's own FSDP2 tests (``../shared/upstream-fsdp2``, issue 22) found missing in ``fully_shard``, each
+checked here on its own, small, against torch's FSDP2 where it has an answer: tensor parallel + FSDP + activation
+checkpointing with ``reshard_after_forward=True`` (the recomputation reads the parameters gathered at the
+pre-backward); a tied parameter sharded by two calls refused at lazy initialization, not at ``fully_shard`` (FSDP2's
+timing); ranks run as threads of one process (torch's threaded process group): no per-process state shared between
+them or kept from an earlier run. (2 gloo ranks, one ``multirank`` pool; the tied case in-process on a fake group.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import funcshard.fsdp
+from multirank import run_ranks
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, 3 * d), nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        return torch.relu(self.out(torch.relu(self.inp(x))))
+
+
+def _tp_fsdp_checkpointed(impl: str, form: str) -> tuple[list[float], list[torch.Tensor]]:
+    """Three MLPs, column/row-wise tensor parallel over ``mesh['tp']``, each activation-checkpointed (``form``) and
+    sharded over ``mesh['dp']`` with ``reshard_after_forward=True``; 3 Adam steps. Losses and final parameters."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    fully_shard = (funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MLP(4) for _ in range(3)))
+    for i, block in enumerate(model):
+        parallelize_module(block, mesh["tp"], {"inp": ColwiseParallel(), "out": RowwiseParallel()})
+        if form == "composable":  # FSDP's hooks run again in the recomputation
+            checkpoint(block)
+        else:  # torch.utils.checkpoint around the block: the recomputation runs the bare block
+            model[i] = block = checkpoint_wrapper(block)
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    torch.manual_seed(1)
+    for _ in range(3):
+        loss = model(torch.randn(4, 4)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+def _tp_checkpoint_parity():
+    out = {}
+    for form in ("composable", "wrapper"):
+        ref, got = (_tp_fsdp_checkpointed(impl, form) for impl in ("torch", "funcshard"))
+        out[form] = (ref[0] == got[0], all(torch.equal(a, b) for a, b in zip(ref[1], got[1])))
+    return out
+
+
+def test_tp_fsdp_activation_checkpointing_matches_fsdp2():
+    """The recomputation in backward reads the tensor-parallel DTensors made at the group's pre-backward (under
+    no_grad, inside backward): they carry autograd history, so it saves what the forward saved (it raised
+    torch's CheckpointError 'A different number of tensors was saved') and the parameters get their gradients;
+    losses and parameters equal FSDP2's bit for bit. Both forms: torch's composable ``checkpoint(block)`` (FSDP's
+    hooks run in the recomputation too) and ``checkpoint_wrapper`` (torch.utils.checkpoint, the bare block)."""
+    assert run_ranks(2, _tp_checkpoint_parity) == [{"composable": (True, True), "wrapper": (True, True)}] * 2
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.head(self.tok(ids))
+
+
+def _fsdp2_refuses_ties() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return hasattr(FSDPState, "_validate_no_duplicate_params")  # (torch 2.13 has it, 2.11 does not check)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(torch_fsdp, marks=pytest.mark.skipif(
+    not _fsdp2_refuses_ties(), reason="this torch's FSDP2 does not refuse the tie")), funcshard.fsdp],
+    ids=["FSDP2", "funcshard"])
+def test_tied_parameter_sharded_by_two_calls_is_refused_at_lazy_init(fake_mesh2, impl):
+    """A tied parameter whose two modules are sharded by separate calls: every ``fully_shard`` call succeeds, the
+    first forward (the root's lazy initialization) raises, as FSDP2 does (its own text differs after 'already managed
+    by another'), and leaves the module's parameters as they were; it raises again at the next forward (FSDP2's
+    second forward fails elsewhere: its lazy initialization was left half done)."""
+    model = _Tied()
+    impl.fully_shard(model.tok, mesh=fake_mesh2)
+    impl.fully_shard(model.head, mesh=fake_mesh2)
+    impl.fully_shard(model, mesh=fake_mesh2)
+    before = [(n, p, p.to_local().clone()) for n, p in model.named_parameters()]
+    pattern = (r"Parameter 'head.weight' is shared with a parameter already managed by another FSDP group"
+               if impl is torch_fsdp else
+               r"fully_shard\(Linear\): parameter 'head.weight' is shared with \(tied to\) a parameter already managed "
+               r"by another fully_shard call, on Embedding; a parameter belongs to one unit: shard the modules sharing "
+               r"it together, fully_shard\(\[a, b\]\), or leave it to a common ancestor")
+    for _ in range(1 if impl is torch_fsdp else 2):
+        with pytest.raises(ValueError, match=pattern):
+            model(torch.tensor([[1, 2]]))
+        after = list(model.named_parameters())
+        assert [n for n, _ in after] == [n for n, _, _ in before]
+        assert all(p is q and torch.equal(q.to_local(), v) for (_, p), (_, q, v) in zip(after, before))
+
+
+def _thread_rank(world: int, rank: int, store, out: list) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (world,))  # (torch 2.11's threaded group defaults to cuda)
+        funcshard.fsdp.fully_shard(model[0], mesh=mesh)
+        funcshard.fsdp.fully_shard(model, mesh=mesh)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+        out[rank] = model[0].weight.grad.full_tensor()
+    finally:
+        dist.destroy_process_group()
+
+
+def _ranks_as_threads() -> list[bool]:
+    """fully_shard with the ranks as threads of one process (torch's threaded process group, as its FSDP2 tests run),
+    twice in a row with other world sizes: each run's per-group state (the divergence check's exchange numbers) is
+    its own, not another thread's or an earlier run's (they hung in the check's store wait)."""
+    from threading import Thread
+
+    from torch.distributed import HashStore
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # (as torch's MultiThreadedTestCase does)
+    _install_threaded_pg()
+    try:
+        ok = []
+        for world in (3, 2):
+            store, out = HashStore(), [None] * world
+            threads = [Thread(target=_thread_rank, args=(world, r, store, out)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            ok.append(all(g is not None and torch.equal(g, out[0]) for g in out) and not any(map(Thread.is_alive, threads)))
+        return ok
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def test_ranks_as_threads_of_one_process():
+    assert run_ranks(2, _ranks_as_threads) == [[True, True]] * 2
