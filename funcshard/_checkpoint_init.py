@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from funcshard._collectives import bounded_all_reduce
 from funcshard._compat import buffer_slots, param_slots
 from funcshard._spec import ShardingError, ShardSpec
 
@@ -146,7 +147,7 @@ def rng(seed: int | None, device: torch.device, groups: Iterable[dist.ProcessGro
     mine = int.from_bytes(digest[:7], "little")
     for pg in groups:
         t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        bounded_all_reduce(t, pg, "init_state's random-state check", op=dist.ReduceOp.MAX)
         if t[0].item() != mine or -t[1].item() != mine:
             raise ShardingError(
                 "the ranks' random number generators are in different states, so they would initialise different "

@@ -187,16 +187,23 @@ def describe(where: Where) -> str:
     return f"the {where.kind} of group {_comm.group_label(where.group)} ({where.phase})"
 
 
-def public_where(kind: str, what: str, group) -> Where:
-    """Where a public collective (``what``, e.g. ``funcshard.all_gather``) waits: bounded as a plan without a timeout
-    is (``FUNCSHARD_TIMEOUT``, else ``DEFAULT_TIMEOUT``); on a group broken by an earlier failure it is refused
-    before it is issued."""
+def public_where(kind: str, what: str, group, timeout: float | None = None) -> Where:
+    """Where a collective outside a step (``what``, e.g. ``funcshard.all_gather``) waits: bounded by ``timeout``
+    (a plan's; None: as a plan without one, ``FUNCSHARD_TIMEOUT``, else ``DEFAULT_TIMEOUT``); on a group broken by an
+    earlier failure it is refused before it is issued."""
     if (cause := broken(group)) is not None:
         raise CollectiveError(f"funcshard: {what} was not issued: {pg_desc(group)} is broken by an earlier failure "
                               f"({cause}). " + _FIX.format(why=cause), repeat=True)
-    seconds = resolve_timeout(None)
+    seconds = resolve_timeout(timeout)
     bound = "unbounded" if seconds is None else f"{seconds:g} s"
-    return Where(kind, None, what, Bound(group, seconds, f"none; {what} is bounded by {TIMEOUT_ENV} ({bound})"))
+    source = f"timeout={timeout:g}" if timeout is not None else TIMEOUT_ENV
+    return Where(kind, None, what, Bound(group, seconds, f"none; {what} is bounded by {source} ({bound})"))
+
+
+def bounded_all_reduce(t: torch.Tensor, group, what: str, op=dist.ReduceOp.SUM, timeout: float | None = None) -> None:
+    """``dist.all_reduce`` of ``t`` in place, its wait bounded as ``public_where`` says (``what`` names it)."""
+    where = public_where("all-reduce", what, group, timeout)
+    wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), where)
 
 
 _FIX = ("Make every rank run the same groups in the same order (no data-dependent skipping of a group, the same "
@@ -411,9 +418,8 @@ def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch
 
 
 def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Tensor:
-    where = public_where("all-reduce", what, group)
     out = x.clone(memory_format=torch.contiguous_format)
-    wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True), where)
+    bounded_all_reduce(out, group, what)
     return out
 
 

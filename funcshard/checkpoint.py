@@ -27,7 +27,7 @@ import torch
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
-from funcshard._collectives import gather_tangents
+from funcshard._collectives import bounded_all_reduce, gather_tangents
 from funcshard._comm import plain
 from funcshard._compat import dtensor_local
 from funcshard._layout import full_layouts
@@ -508,10 +508,10 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     # the writer's outcome on every rank (and the file complete on every rank's return): over the first replica's
     # shard group, then from each of its ranks over its replicate group
     flag = torch.tensor([failed is not None], dtype=torch.int32, device=device_of(plan.mesh))
-    if first:
-        dist.all_reduce(flag, group=pg)
+    if first:  # (bounded by the plan's timeout: once every rank is past them, the broadcasts below pair up)
+        bounded_all_reduce(flag, pg, "checkpoint.export_full's outcome", timeout=plan.timeout)
     if rg is not None:
-        dist.all_reduce(flag, group=rg)
+        bounded_all_reduce(flag, rg, "checkpoint.export_full's outcome", timeout=plan.timeout)
     if flag.item():
         msg = [f"{type(failed).__name__}: {failed}" if failed is not None else None]
         if first:

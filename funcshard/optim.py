@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from funcshard._checkpoint_dcp import inherit, refuse_container
-from funcshard._collectives import public_where, wait_work
+from funcshard._collectives import bounded_all_reduce
 from funcshard._compat import (
     DCP_WRITE_ITEMS,
     foreach_add,
@@ -689,8 +689,7 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             if group is not None:
                 if sq.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # (CPU-offloaded grads)
                     sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
-                wait_work(dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group, async_op=True),
-                          public_where("all-reduce", "optim.clip_by_global_norm", group))
+                bounded_all_reduce(sq, group, "optim.clip_by_global_norm")
                 sq = sq.to(device)
             total_norm = sq.sqrt()
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
