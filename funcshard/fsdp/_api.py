@@ -86,7 +86,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     ctx = ctx_of(unit)
     name = unit.group
     if _in_backward():  # activation-checkpoint recomputation
-        if name is not None and (step := ctx.step) is not None:
+        if name is not None and (step := ctx.backward_step()) is not None:
             return step.module_pre_forward(name, module, args, kwargs)
         return _cast_inputs(unit, args, kwargs)
     moved = None

@@ -10,6 +10,7 @@ factor, prefetch lists), and the runtime executes it. Gradients reach the DTenso
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch import nn
@@ -99,6 +100,9 @@ class _Context:
         self.top, self.stale, self.fwd_root, self.step, self._plan = top, False, None, None, None
         self.fwd_module: nn.Module | None = None  # the module whose call began the forward under way
         self.fresh: Step | None = None  # a step unshard() made before its forward
+        # steps whose graphs may still run a backward (a forward's graph outlives the next forward: a chunked loss
+        # runs a standalone module's forward and backward before the root output's backward)
+        self.live: weakref.WeakSet = weakref.WeakSet()
         self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
         self._ordered: dict[tuple[str, ...], Plan] = {}
         self.last_order: tuple[str, ...] = ()
@@ -196,7 +200,16 @@ class _Context:
         if old is not None:
             new.carry_over(old)
         self.step = new
+        self.live.add(new)
         return new
+
+    def backward_step(self) -> Step | None:
+        """The step whose backward is running in this autograd task (activation-checkpoint recomputation belongs to
+        that step's graph, which need not be the newest step's); else the newest step."""
+        for step in self.live:
+            if step.recomputing():
+                return step
+        return self.step
 
     def end_forward(self) -> None:
         step = self.step
