@@ -7,6 +7,7 @@ them or kept from an earlier run. (2 gloo ranks, one ``multirank`` pool; the tie
 
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
@@ -182,7 +183,8 @@ def _chunked_loss_checkpointed(impl: str, grouped: bool) -> tuple[list[float], l
     recomputes the checkpointed body. 3 Adam steps; losses and final parameters."""
     from torch.distributed._composable import checkpoint
 
-    fully_shard = (funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard
+    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard,
+                                    mesh=init_device_mesh("cpu", (2,)))  # (torch 2.11's default mesh: cuda if built)
     torch.manual_seed(0)
     model = _ChunkedHead()
     checkpoint(model.body)
@@ -214,7 +216,9 @@ def _chunked_loss_checkpointed(impl: str, grouped: bool) -> tuple[list[float], l
 
 
 def _chunked_loss_parity(grouped: bool):
-    return _chunked_loss_checkpointed("torch", grouped), _chunked_loss_checkpointed("funcshard", grouped)
+    # the reference: FSDP2 without grouping (torch 2.11's FSDP2 fails the grouped partial forward: "aten.mm.default got
+    # mixed torch.Tensor and DTensor"; 2.13's grouped equals its ungrouped, which its own test asserts)
+    return _chunked_loss_checkpointed("torch", False), _chunked_loss_checkpointed("funcshard", grouped)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
