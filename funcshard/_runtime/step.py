@@ -25,6 +25,7 @@ The Step itself routes module hooks and autograd hooks to them; ``open_forward``
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 import weakref
 from typing import Any
@@ -60,6 +61,8 @@ from funcshard._runtime.check import Checks
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
+
+_PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
 
 _graph_task_id = current_graph_task_id
 _functorch_level = maybe_current_level
@@ -145,6 +148,10 @@ class Step:
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
         self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward
+        # when its latest pre-backward ran (of all steps'): a recomputation inside backward belongs to the step whose
+        # pre-backward ran last, as the gradient hook on a checkpointed region's output fires just before the
+        # region's first backward node unpacks (recomputes) it
+        self.last_pre_backward = -1
         self.ran_early: set[str] = set()  # groups whose pre-backward ran ahead of their own hook (pre_backward)
         self.checks = Checks(self)
 
@@ -435,6 +442,7 @@ class Step:
         first, fires first there; the parent is gathered before it either way, the schedule's order (and the reverse
         of the order the passes closed in, which backward prefetch follows)."""
         self.begin_backward()
+        self.last_pre_backward = next(_PRE_BACKWARD_SEQ)
         gb = self.groups[name]
         if name in self.ran_early:  # ran before a nested group's: done, unless freed since (another use)
             self.ran_early.discard(name)

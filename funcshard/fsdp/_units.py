@@ -204,12 +204,13 @@ class _Context:
         return new
 
     def backward_step(self) -> Step | None:
-        """The step whose backward is running in this autograd task (activation-checkpoint recomputation belongs to
-        that step's graph, which need not be the newest step's); else the newest step."""
-        for step in self.live:
-            if step.recomputing():
-                return step
-        return self.step
+        """The step an activation-checkpoint recomputation inside backward belongs to: of the steps whose backward
+        runs in this autograd task, the one whose pre-backward ran last (its hook on the checkpointed region's output
+        fires just before the recomputation; the same on every rank); else the newest step. The newest step is not
+        always it: a chunked loss runs standalone forwards and backwards of a module before the root output's
+        backward, and two forwards before one backward (DPO) run the older step's recomputations after the newer's."""
+        running = [s for s in self.live if s.recomputing()]
+        return max(running, key=lambda s: s.last_pre_backward) if running else self.step
 
     def end_forward(self) -> None:
         step = self.step
