@@ -11,6 +11,8 @@ is present in both.
 
 from __future__ import annotations
 
+import collections
+import importlib
 import operator
 
 import torch
@@ -107,6 +109,33 @@ StridedShard = require("torch.distributed.tensor.placement_types._StridedShard")
 new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) is DTensor.__new__ else (
     lambda cls, *args, **kwargs: cls(*args, **kwargs))
 
+# ---- torch's composable-API registry (torch.distributed._composable.contract) ----------------------------------
+# Each of torch's composable APIs (replicate, fully_shard, checkpoint) records its name in a registry on the module it
+# was applied to, and the others read it to stay off each other's modules: replicate refuses a module marked
+# "fully_shard" and leaves the parameters of such submodules to it; FSDP2 manages no module marked "replicate".
+# funcshard's fully_shard reads and writes the same registry (funcshard/fsdp/_api.py).
+# (the package torch.distributed._composable binds the name ``contract`` to the decorator, which hides the
+# submodule from ``require``'s attribute walk: the submodule is imported by name)
+_contract = importlib.import_module("torch.distributed._composable.contract")
+try:
+    composable_registry = _contract._get_registry  # module -> {name: item}, or None
+    _COMPOSABLE_KEY, _ComposableItem = _contract.REGISTRY_KEY, _contract.RegistryItem
+except AttributeError as e:
+    raise ImportError(f"funcshard needs torch.distributed._composable.contract's registry (_get_registry, REGISTRY_KEY, "
+                      f"RegistryItem; private torch APIs), and torch {torch.__version__} lacks {e.name!r}; funcshard "
+                      f"supports torch {SUPPORTED}") from None
+
+
+def composable_apis(module) -> tuple[str, ...]:
+    """The names of torch's composable APIs applied to ``module`` (``("replicate",)``...), in the order applied."""
+    return tuple(composable_registry(module) or ())
+
+
+def mark_composable(module, api: str) -> None:
+    """Record ``api`` (``"fully_shard"``) as applied to ``module``, as torch's ``contract`` decorator does."""
+    module.__dict__.setdefault(_COMPOSABLE_KEY, collections.OrderedDict()).setdefault(api, _ComposableItem())
+
+
 # ---- torch.distributed: renamed collectives (public names; chosen here with the other version differences) ---
 # torch 2.13 renamed the tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
 # -> reduce_scatter_single); older releases have only the old names.
@@ -179,5 +208,5 @@ __all__ = [
     "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
     "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
-    "dcp_bytes_write_items",
+    "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable",
 ]

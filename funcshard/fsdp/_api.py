@@ -18,7 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from funcshard._collectives import check_timeout
-from funcshard._compat import buffer_slots, current_graph_task_id, dtensor_local, param_slots
+from funcshard._compat import (
+    buffer_slots,
+    composable_apis,
+    current_graph_task_id,
+    dtensor_local,
+    mark_composable,
+    param_slots,
+)
 from funcshard._comm import custom_comm, storage_ptr
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
@@ -26,6 +33,7 @@ from funcshard._mesh import (
     default_fsdp_mesh,
     device_of,
     dp_axes,
+    mesh_str,
     model_sharding,
     spmd_dp_mesh,
 )
@@ -57,6 +65,11 @@ def _check_unbuilt(mesh, reshard_after_forward, dp_mesh_dims) -> None:
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (FSDP) or a 2-D "
                          f"(replicate, shard) mesh (HSDP); pass the data-parallel sub-mesh, e.g. "
                          f"mesh[('replicate', 'shard')]")
+    if dp_mesh_dims is None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise FullyShardError(f"Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard got "
+                              f"{mesh_str(mesh)}, a 2-D mesh without axis names; build it with "
+                              f"init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', "
+                              f"'shard')) (FSDP2 asks the same)")
 
 
 # ---- module hooks -------------------------------------------------------------------------------------
@@ -486,12 +499,14 @@ def fully_shard(
         m.register_load_state_dict_pre_hook(_reshard_hook)
         m.register_load_state_dict_post_hook(lambda mod, keys: _resync(unit_of(mod)))
         m.__class__ = fsdp_class(type(m), FSDPModule, {"__deepcopy__": _no_deepcopy})
+        mark_composable(m, "fully_shard")  # (torch's replicate refuses the module and leaves its parameters to us)
     return module
 
 
 class FullyShardError(ValueError, AssertionError):
     """Bad input to ``fully_shard`` where FSDP2 raises an AssertionError (a second call on one module, a shard dim
-    the parameter lacks): a ValueError, and the AssertionError code written for FSDP2 catches."""
+    the parameter lacks, a 2-D mesh without axis names): a ValueError, and the AssertionError code written for FSDP2
+    catches."""
 
 
 def _state(module: nn.Module) -> FSDPState | None:
@@ -504,26 +519,32 @@ fully_shard.state = _state  # as FSDP2's fully_shard (a torch ``contract``) has 
 
 
 def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, list, list]:
-    """The modules one call manages (not those under an earlier, nested call), the nested units, the parameters to
-    shard as (path, parameter), and those of them another, unrelated call manages too (tied parameters) as (index,
-    that call's unit); raises on parameters an ancestor's call manages."""
+    """The modules one call manages (not those under an earlier, nested call, nor those torch's ``replicate`` manages,
+    as in FSDP2), the nested units, the parameters to shard as (path, parameter), and those of them another,
+    unrelated call manages too (tied parameters) as (index, that call's unit); raises on parameters an ancestor's call
+    manages, on a module ``replicate`` manages, and on parameters FSDP2 cannot shard (scalar, non-contiguous)."""
     managed: list[nn.Module] = []
     nested: list[_Unit] = []
     seen: set[int] = set()
+    call = "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")"
+    for m in modules:
+        if "replicate" in composable_apis(m):
+            raise RuntimeError(f"Cannot apply `fully_shard()` on a Module already managed by `replicate`: {call}; "
+                               f"replicate already synchronizes its parameters. Apply fully_shard to its parent "
+                               f"instead (its parameters stay replicate's) or to a module replicate was not applied to")
 
     def visit(m: nn.Module) -> None:
         seen.add(id(m))
         for c in m.children():
             if (u := c.__dict__.get(UNIT)) is not None and c not in modules:
                 nested.extend([u] if u not in nested else [])
-            elif id(c) not in seen:
+            elif id(c) not in seen and "replicate" not in composable_apis(c):  # (replicate's modules stay its own)
                 visit(c)
         managed.append(m)
 
     for m in modules:
         visit(m)
     prefix = {id(x): f"{n}." if n else "" for m in reversed(modules) for n, x in m.named_modules()}
-    call = "fully_shard(" + ", ".join(cls_name(m) for m in modules) + ")"
     params, seen, tied = [], set(), []
     for m in managed:
         for attr, p in param_slots(m).items():
@@ -539,6 +560,11 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
             if p.dim() == 0:
                 raise ValueError(f"fully_shard doesn't support scalar parameters. Change {path} to a 1D tensor "
                                  f"with numel equal to 1.")
+            if not p.is_contiguous():  # (FSDP2's rule: the DTensor parameter could not keep the strides of p)
+                raise NotImplementedError(
+                    f"FSDP does not support non-contiguous parameters yet: {call}: {path!r} has shape "
+                    f"{tuple(p.shape)} and stride {p.stride()}; make it contiguous before fully_shard, e.g. "
+                    f"module.to(memory_format=torch.contiguous_format) for a channels_last weight")
             seen.add(id(p))
             params.append((path, p))
     return managed, nested, params, tied
