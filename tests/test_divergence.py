@@ -696,3 +696,41 @@ def test_hsdp_a_shard_group_that_diverged_is_told_to_every_rank():
         else:
             assert re.match(rf"funcshard: the ranks diverged on another process group of the mesh: rank {rank - 2} of "
                             rf"process group .* \(this rank's replicate group\) found: " + first, message), message
+
+
+class _Commas(nn.Module):
+    """Groups whose names hold a comma (a module's name may)."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("a,b", "c", "a", "b,c"):
+            self.add_module(name, nn.Linear(4, 4))
+
+    def forward(self, h, names):
+        for name in names:
+            h = getattr(self, name)(h)
+        return h.sum()
+
+
+def _comma_orders(rank: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.manual_seed(0)
+    plan = funcshard.plan(_Commas(), DeviceMesh.from_group(dist.group.WORLD, "cpu"), groups=(nn.Linear,),
+                          timeout=JOB_S / 4)
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    funcshard.apply(plan, state, torch.ones(2, 4), ["a,b", "c"] if rank == 0 else ["a", "b,c"]).backward()
+
+
+def _commas():
+    return _threads(2, _comma_orders)
+
+
+def test_forward_orders_that_join_alike_differ():
+    """Rank 0 runs groups 'a,b' then 'c', rank 1 'a' then 'b,c': the same number of all-gathers of equal sizes, and
+    the orders joined with "," were the same text, hence the same digest: no error, and the backward paired different
+    groups. Now the first group run is named."""
+    for kind, message, _ in run_ranks(2, _commas, timeout=JOB_S)[0]:
+        assert kind == "DivergenceError" and re.match(
+            r"funcshard: the ranks' forwards ran different groups on process group .*: the first group run is ranks "
+            r"\[0\]: 'a,b'; ranks \[1\]: 'a'\. Their backward collectives would pair different groups", message), message

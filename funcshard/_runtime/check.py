@@ -22,7 +22,7 @@ digest in the exchange's key (``compare_set``, which returns the first digest to
 learns whether it agrees with the first, exactly (no sum of hashes, no overflow); an atomic ``add`` counts the ranks
 that arrived and those that differ; the last to arrive adds the verdict to a third key, which every other rank waits
 for and reads with one more ``add`` (the count of readers: the last reader deletes it; the last arrival deleted the
-other two). Four store round trips per rank and step (the last to arrive: two, plus two deletes), one store server
+other two). Four store round trips per rank and step (the last to arrive: three, plus two deletes), one store server
 for all: W = 1024 ranks make about 4096 small requests a step, each moving a 32-byte digest or a number, where the
 first version (every rank posted its mask and forward order, every rank waited for and read all W posts) moved W^2 =
 a million values a step through the store server. Only when the verdict says the ranks differ does every rank post its whole
@@ -61,6 +61,7 @@ exchange that timed out leaves its keys (the process group is broken then, and r
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 import weakref
@@ -285,7 +286,8 @@ class Checks(Part):
         if hit is None:
             if len(cache) > 64:  # (forward orders that vary from step to step: bounded)
                 cache.clear()
-            whole = f"{packed_mask(masks)} |{','.join(key[1])}"
+            whole = f"{packed_mask(masks)} |{json.dumps(key[1])}"  # (not joined with ",": a module's name may hold
+            # one, and two orders of the same length joined alike gave the same digest: ["a,b", "c"], ["a", "b,c"])
             hit = cache[key] = (hashlib.blake2b(whole.encode(), digest_size=16).hexdigest(), whole)
         digest, whole = hit
         doing = "the end of the step's forward"
@@ -316,7 +318,7 @@ class Checks(Part):
                 f"agreed; it raises too, before its backward, whose collectives those ranks no longer issue.)")
         orders = [v.split("|", 1)[1] for v in got]
         if len(set(orders)) > 1:
-            runs = [o.split(",") if o else [] for o in orders]
+            runs = [json.loads(o) for o in orders]
             i = next(i for i in range(max(map(len, runs)) + 1) if len({tuple(r[i : i + 1]) for r in runs}) > 1)
             by: dict[str, list[int]] = {}
             for r, run in enumerate(runs):
@@ -324,8 +326,8 @@ class Checks(Part):
             told = "; ".join(f"ranks {rs}: {v}" for v, rs in by.items())
             mark_broken(pg, "the ranks' forwards ran different groups")
             return DivergenceError(
-                f"funcshard: the ranks' forwards ran different groups on {pg_desc(pg)}: the group run after "
-                f"{runs[0][:i] if i else 'none'} is {told}. Their backward collectives would pair different groups "
+                f"funcshard: the ranks' forwards ran different groups on {pg_desc(pg)}: the "
+                f"{f'group run after {runs[0][:i]}' if i else 'first group run'} is {told}. Their backward collectives would pair different groups "
                 f"(wrong gradients, a crash or a hang). Fix: run every group on every rank (a data-dependent branch, "
                 f"an expert without tokens, LayerDrop: run the group with a zero contribution, or decide the branch "
                 f"with the same random numbers on every rank). " + fix)
