@@ -554,7 +554,9 @@ def _threads(world: int, fn, *args) -> list:
             out[rank] = ("ok", fn(rank, *args), time.monotonic() - start)
         except Exception as e:  # noqa: BLE001 (the outcome is the result)
             out[rank] = (type(e).__name__, str(e), time.monotonic() - start)
-        forget(dist.group.WORLD)
+        for pg in list(dist.distributed_c10d._world.pg_map):  # (this thread's groups: none kept by funcshard)
+            forget(pg)
+        dist.destroy_process_group()
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)  # (as torch's MultiThreadedTestCase does)
     _install_threaded_pg()
