@@ -22,13 +22,15 @@ digest in the exchange's key (``compare_set``, which returns the first digest to
 learns whether it agrees with the first, exactly (no sum of hashes, no overflow); an atomic ``add`` counts the ranks
 that arrived and those that differ; the last to arrive adds the verdict to a third key, which every other rank waits
 for and reads with one more ``add`` (the count of readers: the last reader deletes it; the last arrival deleted the
-other two). Four store round trips per rank and step (the last to arrive: two, plus two deletes), one store server
+other two). Four store round trips per rank and step (the last to arrive: three, plus two deletes), one store server
 for all: W = 1024 ranks make about 4096 small requests a step, each moving a 32-byte digest or a number, where the
 first version (every rank posted its mask and forward order, every rank waited for and read all W posts) moved W^2 =
 a million values a step through the store server. Only when the verdict says the ranks differ does every rank post its whole
 value (the mask as 62-bit words, the forward's groups) and read all W of them (W^2 on the error path only), so that
 every rank raises the same ``DivergenceError``, naming the first differing parameter or group and the ranks on each
-side. HSDP: the same exchange over the replicate group. The fake process group (no peers) is not checked.
+side. HSDP: the same exchange over the replicate group; a rank whose shard group diverged takes part in it with a value
+no agreeing rank has (``_DIVERGED``), so that the ranks of the shard groups that agreed raise too, naming what it found
+(every replicate group holds a rank of each shard group). The fake process group (no peers) is not checked.
 
 Measured (``benchmarks/divergence_check.py``, table in ``benchmarks/divergence_check.md``; 8 one-block groups, CPU,
 a 2-core machine shared with other jobs, load average 12-16): on the fake process group the check only finds that
@@ -44,10 +46,14 @@ the ranks agree on what they are about to do (kind, group, phase) with the same 
 group on one rank is found at the first differing collective, on every rank, each rank's collective named. It costs a
 blocking exchange per collective: a debugging mode, like torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 
-Every wait of an exchange is bounded by the plan's timeout; a rank that never arrives (dead, stalled, diverged) ends
-the others' wait with a ``CollectiveTimeout`` naming it (a rank that waited longer than a second marks itself as
-present, so the late ones can be named). The exchanges count steps and collectives per process group: every rank must
-make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
+Every wait of an exchange is bounded by the plan's timeout (none: unbounded); a rank that never arrives (dead,
+stalled, diverged) ends the others' wait with a ``CollectiveTimeout`` naming it: a rank that waited longer than a
+second marks itself as present, and the one rank elected to give up (``_give_up``) waits up to ``_GRACE`` for the ranks
+that had arrived to do so, so that only the late ones are named. Giving up is ordered against the last arrival through
+the arrival count (``_GAVE_UP``): either the exchange completed first and every rank goes on, or it never completes,
+the waiting ranks are woken (``_ABANDONED``) and raise the same error, and a rank arriving later raises at once instead
+of going on alone into the step's collectives. The exchanges count steps and collectives per process group: every rank
+must make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
 exchange that every rank finished, whatever happens next (a forward without backward, a backward that raises); an
 exchange that timed out leaves its keys (the process group is broken then, and refused).
 """
@@ -55,6 +61,8 @@ exchange that timed out leaves its keys (the process group is broken then, and r
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import time
 import weakref
 from datetime import timedelta
@@ -72,11 +80,15 @@ if TYPE_CHECKING:
 
 _BITS = 62  # bits per packed word
 _LOW = (1 << 32) - 1  # an add's low 32 bits count ranks, the high bits what they told (differing ranks; the verdict)
+_DIFFERS = (1 << 24) - 1  # the arrival count's bits 32-55: the ranks that differ from the first
+_GAVE_UP = 1 << 56  # added to the arrival count once, by the rank elected to give up on the exchange (_give_up)
+_ABANDONED = 1 << 40  # added to the verdict key by that rank: the exchange never completes; its readers raise
+_DIVERGED = "!"  # the replicate exchange's value of a rank whose shard group diverged (a digest is hex)
+_GRACE = 2.0  # s the rank giving up waits for the arrived ranks to mark themselves present (they do within a second)
 _SEQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> {exchange: exchanges so far (the
 # same on every rank)}; per group object, not name: ranks run as threads (torch's threaded group) have one each
 _PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
 # check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
-_DAY = 86400.0
 ENABLED = True  # the default check (benchmarks/divergence_check.py turns it off to measure it); not check mode's
 
 
@@ -106,8 +118,8 @@ def _peers(pg):
 
 def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> tuple[bool, int]:
     """Exchange #n of ``kind`` on the group: (whether every rank's ``value`` is this rank's, n). O(1) store operations
-    per rank (see the module docstring), every wait bounded by ``seconds``; ``doing`` names what the ranks reach
-    (its ``#?``: the exchange's number)."""
+    per rank (see the module docstring), every wait bounded by ``seconds`` (None: unbounded); ``doing`` names what the
+    ranks reach (its ``#?``: the exchange's number)."""
     pg, store, world, rank, ranks = peers
     counts = _SEQ.setdefault(pg, {})
     seq = counts[kind] = counts.get(kind, 0) + 1
@@ -119,20 +131,26 @@ def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> t
     if arrived & _LOW == world:  # the last to arrive: every rank has compared; the verdict is known
         store.delete_key(f"{base}/first")
         store.delete_key(f"{base}/arrived")
-        read = store.add(f"{base}/done", ((2 if arrived >> 32 else 1) << 32) + 1)
+        if arrived & _GAVE_UP:  # (a rank stopped waiting before this one arrived: it raised; so does this one)
+            _given_up(peers, base, seq, seconds, doing)
+        read = store.add(f"{base}/done", ((2 if arrived >> 32 & _DIFFERS else 1) << 32) + 1)
     else:
+        if arrived & _GAVE_UP:
+            _given_up(peers, base, seq, seconds, doing)
         _wait(store, base, f"{base}/done", peers, seq, seconds, doing)
         read = store.add(f"{base}/done", 1)
+        if read & _ABANDONED:  # (woken by the rank that gave up: the ranks it names never came)
+            late = [int(r) for r in store.get(f"{base}/late").decode().split(",") if r]
+            _timeout(pg, late, doing, seq, seconds)
     if read & _LOW == world:  # the last reader
         store.delete_key(f"{base}/done")
-    return read >> 32 == 1, seq
+    return read >> 32 & 3 == 1, seq
 
 
 def _wait(store, base: str, key: str, peers, seq: int, seconds: float | None, doing: str) -> None:
-    """Wait for ``key`` (the last rank's verdict) at most ``seconds``; else a CollectiveTimeout naming the ranks that
-    did not arrive, and the group is marked broken. A rank that waits longer than a second marks itself present."""
-    pg, _, world, rank, ranks = peers
-    deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
+    """Wait for ``key`` (the last rank's verdict) at most ``seconds`` (None: unbounded); else give up on the exchange
+    (``_give_up``). A rank that waits longer than a second marks itself present, so that the late ones can be named."""
+    deadline = time.monotonic() + (seconds if seconds is not None else math.inf)
     here = None
     while True:
         left = deadline - time.monotonic()
@@ -144,22 +162,81 @@ def _wait(store, base: str, key: str, peers, seq: int, seconds: float | None, do
         except (RuntimeError, dist.DistError):
             pass
         if here is None:
-            here = f"{base}/here/{rank}"
+            here = f"{base}/here/{peers[3]}"
             store.set(here, "1")
         if time.monotonic() >= deadline:
-            late = [ranks[r] for r in range(world) if r != rank and not store.check([f"{base}/here/{r}"])]
-            _timeout(pg, late, doing, seq, seconds)
+            _give_up(store, base, key, peers, seq, seconds, doing)  # (returns: the verdict came after all)
+            store.delete_key(here)
+            return
+
+
+def _give_up(store, base: str, key: str, peers, seq: int, seconds: float, doing: str) -> None:
+    """This rank's bound passed while it waited for the verdict. One waiting rank is elected to end the exchange: it
+    adds ``_GAVE_UP`` to the arrival count, which orders it against the last arrival's own add (the exchange either
+    completed first, and every rank goes on, or never completes: every rank arriving later raises at once instead of
+    going on alone into the step's collectives). Once the ranks that had arrived have marked themselves present, it
+    writes the ranks that had not, and wakes the waiting ranks with ``_ABANDONED``; they raise the same
+    CollectiveTimeout. Returns if the verdict came after all (the caller reads it)."""
+    pg, _, world, rank, ranks = peers
+    if store.compare_set(f"{base}/gaveup", "", str(rank)) == str(rank).encode():  # this rank is elected
+        arrived = store.add(f"{base}/arrived", _GAVE_UP) & _LOW
+        if arrived in (0, world):  # the last rank arrived first: the exchange completed (0: its key deleted already)
+            if arrived == 0:
+                store.delete_key(f"{base}/arrived")  # (made again by this add)
+            store.delete_key(f"{base}/gaveup")
+        else:
+            grace = time.monotonic() + _GRACE  # (a rank that arrived marks itself present within a second)
+            while True:
+                late = [r for r in range(world) if r != rank and not store.check([f"{base}/here/{r}"])]
+                if world - len(late) >= arrived or time.monotonic() >= grace:
+                    break
+                time.sleep(0.1)
+            store.set(f"{base}/late", ",".join(str(ranks[r]) for r in late))
+            store.add(key, _ABANDONED)
+            _timeout(pg, [ranks[r] for r in late], doing, seq, seconds)
+    # the verdict, or the elected rank's _ABANDONED, comes next: each within its own bound
+    deadline = time.monotonic() + _GRACE + (seconds or 0.0)
+    while time.monotonic() < deadline:
+        try:
+            store.wait([key], timedelta(seconds=1.0))
+            return
+        except (RuntimeError, dist.DistError):
+            pass
+    late = [ranks[r] for r in range(world) if r != rank and not store.check([f"{base}/here/{r}"])]
+    _timeout(pg, late, doing, seq, seconds)
+
+
+def _given_up(peers, base: str, seq: int, seconds: float | None, doing: str):
+    """This rank arrived at an exchange that a waiting rank had given up on: raise at once (not into the step's
+    collectives, which no rank pairs any more)."""
+    pg, store, world, rank, ranks = peers
+    who = ranks[int(store.get(f"{base}/gaveup").decode())]
+    mark_broken(pg, f"rank {who} gave up waiting for rank {ranks[rank]} at {doing}")
+    raise CollectiveTimeout(
+        f"funcshard: this rank (rank {dist.get_rank()}) reached {doing} (exchange #{seq} on {pg_desc(pg)}) after "
+        f"rank {who} had stopped waiting there for the ranks that had not arrived ({_bound(seconds)}): that rank "
+        f"raised a CollectiveTimeout, so this one raises too, instead of issuing the step's collectives alone. Fix: "
+        f"find why this rank was late in its own log (a stall, another number of microbatches or forwards); the "
+        f"process group can no longer be trusted: restart the job (or make a new process group, mesh, plan and "
+        f"state). " + _RAISE)
+
+
+def _bound(seconds: float | None) -> str:
+    return "unbounded" if seconds is None else f"within {seconds:g} s"
+
+
+_RAISE = ("Raise the bound with plan(..., timeout=s), model.set_timeout(s) (fully_shard) or FUNCSHARD_TIMEOUT=s if a "
+          "rank is legitimately that slow")
 
 
 def _timeout(pg, late: list[int], doing: str, seq: int, seconds: float | None):
     mark_broken(pg, f"ranks {late} did not reach {doing}")
     raise CollectiveTimeout(
-        f"funcshard: ranks {late} did not reach {doing} (exchange #{seq} on {pg_desc(pg)}) within {seconds:g} s; "
+        f"funcshard: ranks {late} did not reach {doing} (exchange #{seq} on {pg_desc(pg)}) {_bound(seconds)}; "
         f"this rank (rank {dist.get_rank()}) waited for them there. They died, stalled, or run something else (a "
         f"forward that ran fewer groups, another number of microbatches or forwards, a rank that raised). Fix: make "
         f"every rank run the same steps; the process group can no longer be trusted: restart the job (or make a new "
-        f"process group, mesh, plan and state). Raise the bound with plan(..., timeout=s), model.set_timeout(s) "
-        f"(fully_shard) or FUNCSHARD_TIMEOUT=s if a rank is legitimately that slow")
+        f"process group, mesh, plan and state). " + _RAISE)
 
 
 def _everyones(kind: str, peers, seq: int, value: str, seconds: float | None, doing: str) -> list[str]:
@@ -169,7 +246,7 @@ def _everyones(kind: str, peers, seq: int, value: str, seconds: float | None, do
     base = f"funcshard/{kind}/{seq}/all"
     store.set(f"{base}/{rank}", value)
     keys = [f"{base}/{r}" for r in range(world)]
-    deadline = time.monotonic() + (seconds if seconds is not None else _DAY)
+    deadline = time.monotonic() + (seconds if seconds is not None else math.inf)
     while True:
         try:
             store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), 1.0), 0.001)))
@@ -209,22 +286,39 @@ class Checks(Part):
         if hit is None:
             if len(cache) > 64:  # (forward orders that vary from step to step: bounded)
                 cache.clear()
-            whole = f"{packed_mask(masks)} |{','.join(key[1])}"
+            whole = f"{packed_mask(masks)} |{json.dumps(key[1])}"  # (not joined with ",": a module's name may hold
+            # one, and two orders of the same length joined alike gave the same digest: ["a,b", "c"], ["a", "b,c"])
             hit = cache[key] = (hashlib.blake2b(whole.encode(), digest_size=16).hexdigest(), whole)
         digest, whole = hit
         doing = "the end of the step's forward"
+        found = None  # the error found on the shard group: the replicate group is still told (HSDP, below)
         for peers in groups:
-            same, seq = _agree("step", peers, digest, step.bound.seconds, doing)
+            # A rank whose shard group diverged takes part in the replicate group's exchange with a value no agreeing
+            # rank has: its replicate peers (in shard groups that agree) raise too, instead of going on into a
+            # backward whose collectives the diverged ranks never issue (they waited out the bound, then named the
+            # ranks that raised as ranks that never arrived). Every replicate group holds a rank of each shard group.
+            same, seq = _agree("step", peers, digest if found is None else _DIVERGED, step.bound.seconds, doing)
             if not same:
-                raise self._error(_everyones("step", peers, seq, whole, step.bound.seconds, doing), peers)
+                told = whole if found is None else _DIVERGED + str(found)
+                error = self._error(_everyones("step", peers, seq, told, step.bound.seconds, doing), peers)
+                found = found or error
+        if found is not None:
+            raise found
 
     def _error(self, got: list[str], peers) -> DivergenceError:
         pg, ranks = peers[0], peers[4]
         fix = ("Every rank raises this error, before any mismatched collective; funcshard no longer uses this process "
                "group: restart the job, or make a new process group, mesh, plan and state")
+        told = [(ranks[r], v[len(_DIVERGED):]) for r, v in enumerate(got) if v.startswith(_DIVERGED)]
+        if told:  # (HSDP: a rank's shard group diverged; this rank's shard group agreed)
+            mark_broken(pg, f"the ranks of rank {told[0][0]}'s shard group diverged")
+            return DivergenceError(
+                f"funcshard: the ranks diverged on another process group of the mesh: rank {told[0][0]} of "
+                f"{pg_desc(pg)} (this rank's replicate group) found: {told[0][1]} (This rank's own shard group "
+                f"agreed; it raises too, before its backward, whose collectives those ranks no longer issue.)")
         orders = [v.split("|", 1)[1] for v in got]
         if len(set(orders)) > 1:
-            runs = [o.split(",") if o else [] for o in orders]
+            runs = [json.loads(o) for o in orders]
             i = next(i for i in range(max(map(len, runs)) + 1) if len({tuple(r[i : i + 1]) for r in runs}) > 1)
             by: dict[str, list[int]] = {}
             for r, run in enumerate(runs):
@@ -232,8 +326,8 @@ class Checks(Part):
             told = "; ".join(f"ranks {rs}: {v}" for v, rs in by.items())
             mark_broken(pg, "the ranks' forwards ran different groups")
             return DivergenceError(
-                f"funcshard: the ranks' forwards ran different groups on {pg_desc(pg)}: the group run after "
-                f"{runs[0][:i] if i else 'none'} is {told}. Their backward collectives would pair different groups "
+                f"funcshard: the ranks' forwards ran different groups on {pg_desc(pg)}: the "
+                f"{f'group run after {runs[0][:i]}' if i else 'first group run'} is {told}. Their backward collectives would pair different groups "
                 f"(wrong gradients, a crash or a hang). Fix: run every group on every rank (a data-dependent branch, "
                 f"an expert without tokens, LayerDrop: run the group with a zero contribution, or decide the branch "
                 f"with the same random numbers on every rank). " + fix)
