@@ -91,8 +91,9 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
+        step = ctx.begin()  # (raises before the forward counts as begun: a retry starts afresh)
         ctx.fwd_root, ctx.fwd_module = unit, module
-        ctx.begin().begin_forward()
+        step.begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
     if name is not None:
