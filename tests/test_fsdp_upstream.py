@@ -351,3 +351,22 @@ def test_meshes_from_data_parallel_subgroups_match_fsdp2():
         for p, q in zip(params, ref_params):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert results[0][1][0] != results[2][1][0]  # (the pairs trained apart)
+
+
+def test_share_comm_ctx_as_fsdp2(fake_mesh2):
+    """``torch.distributed.fsdp``'s FSDP2 names are all in ``funcshard.fsdp`` (``share_comm_ctx`` was missing: a pipeline
+    script importing it failed). Its refusal is FSDP2's; roots sharing it train (their collectives share the process
+    group's streams already)."""
+    fsdp2 = {"fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle",
+             "register_fsdp_forward_method", "share_comm_ctx", "DataParallelMeshDims"}
+    assert {n for n in fsdp2 if hasattr(torch_fsdp, n)} <= set(funcshard.fsdp.__all__)
+    stages = [_MLP(4), _MLP(4)]
+    for stage in stages:
+        funcshard.fsdp.fully_shard(stage, mesh=fake_mesh2)
+    for impl in (torch_fsdp, funcshard.fsdp):
+        if hasattr(impl, "share_comm_ctx"):
+            with pytest.raises(ValueError, match=r"Expects list of FSDPModules but got Linear"):
+                impl.share_comm_ctx([nn.Linear(2, 2)])
+    funcshard.fsdp.share_comm_ctx(stages)
+    stages[1](stages[0](torch.randn(2, 4))).sum().backward()
+    assert all(p.grad is not None for s in stages for p in s.parameters())

@@ -561,3 +561,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return _post_forward(unit, self, args, orig(*args, **kwargs))
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2's ``share_comm_ctx``: several FSDP roots (pipeline stages, each its own root) share their communication
+    streams, so their collectives' buffers do not fragment memory across streams. funcshard's collectives run on the
+    process group's own streams (NCCL's, one set per communicator; gloo has none) and its host copies on one stream
+    per device, not on streams of each root, so roots over one mesh share them already; this checks ``modules`` as
+    FSDP2 does."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
