@@ -32,6 +32,7 @@ from funcshard.fsdp import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "reduce_scatter",
     "register_fsdp_forward_method",
     "shard",
+    "share_comm_ctx",
     "trace",
     "traced_apply",
     "value_and_grad",

@@ -140,15 +140,10 @@ def check_mesh(mesh: DeviceMesh) -> None:
     """Raise if ``mesh`` is not a data-parallel mesh (``dp_axes``) or does not match its process groups (sizes), or a
     group is gone."""
     axes = dp_axes(mesh)
-    if dist.is_initialized() and (root := root_mesh(mesh)).size() < dist.get_world_size():
-        raise ShardingError(_partial_world(mesh, root))
+    # A mesh over part of the world is fine where this rank is on it (as in FSDP2): DeviceMesh.from_group over a
+    # data-parallel subgroup gives each rank a mesh of its own group. A rank off its mesh raises.
     if dist.is_initialized() and mesh.get_coordinate() is None:
-        raise ShardingError(
-            f"mesh {mesh_str(mesh)} does not contain this rank ({dist.get_rank()} of a world of "
-            f"{dist.get_world_size()}); every rank that trains needs a place on the mesh: build it with axis sizes "
-            f"whose product is the world size (or the data-parallel part of it), e.g. "
-            f"init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
-        )
+        raise ShardingError(_off_mesh(mesh))
     for axis in (axes.shard,) if axes.replicate is None else (axes.replicate, axes.shard):
         try:
             pg = mesh.get_group(axis)
@@ -165,18 +160,17 @@ def check_mesh(mesh: DeviceMesh) -> None:
             )
 
 
-def _partial_world(mesh: DeviceMesh, root: DeviceMesh) -> str:
-    """The error for a mesh made over part of the world (not sliced from a mesh over all of it): every rank raises
-    it, the ranks on the mesh too (they would train alone, or wait for ranks that never come)."""
+def _off_mesh(mesh: DeviceMesh) -> str:
+    """The error for a rank that is not on its mesh (e.g. init_device_mesh over fewer ranks than the world)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    on = set(root.mesh.flatten().tolist())
-    off = [r for r in range(world) if r not in on]
-    shown = f"{off[:8]}"[:-1] + (f", ... ({len(off)} ranks)]" if len(off) > 8 else "]")
-    return (f"mesh {mesh_str(mesh)} spans {root.size()} of the {world} ranks of the world (ranks {shown} are not "
-            f"on it; this is rank {rank}): the ranks off the mesh would fail while those on it train alone, or wait "
-            f"for them. Build the mesh over every rank: init_device_mesh({mesh.device_type!r}, ({world},)) (HSDP: "
-            f"(replicate, shard) with replicate * shard = {world}); to train on part of the world, slice that part "
-            f"from a mesh over every rank (init_device_mesh(..., mesh_dim_names=('part', 'dp'))['dp'])")
+    root = root_mesh(mesh)
+    on = sorted(set(root.mesh.flatten().tolist()))
+    shown = f"{on[:8]}"[:-1] + (f", ... ({len(on)} ranks)]" if len(on) > 8 else "]")
+    return (f"mesh {mesh_str(mesh)} does not contain this rank ({rank} of a world of {world}; the mesh spans ranks "
+            f"{shown}): every rank that trains needs a place on its mesh. Build the mesh over every rank: "
+            f"init_device_mesh({mesh.device_type!r}, ({world},)) (HSDP: (replicate, shard) with replicate * shard = "
+            f"{world}), or give each rank the mesh of its own data-parallel group: "
+            f"DeviceMesh.from_group(dp_group, {mesh.device_type!r})")
 
 
 def default_fsdp_mesh() -> DeviceMesh:

@@ -78,38 +78,43 @@ def test_failed_donating_update_changes_nothing(name, make, via_step, match):
 
 def _too_small_mesh():
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     import funcshard
     from models import MLP
 
     out = {}
     small = init_device_mesh("cpu", (1,))  # on 2 ranks: rank 0 is on it, rank 1 is not
-    for name, fn in [("plan", lambda: funcshard.plan(MLP(layers=2), small)),
-                     ("fully_shard", lambda: funcshard.fully_shard(MLP(layers=2), mesh=small))]:
+    for name, fn in [("plan", lambda: funcshard.plan(MLP(layers=2), small).world),
+                     ("fully_shard", lambda: type(funcshard.fully_shard(MLP(layers=2), mesh=small)).__name__)]:
         try:
-            fn()
-            out[name] = "no error"
+            out[name] = fn()
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
     # a part of the world sliced from a mesh over every rank is fine (each rank its own 1-rank data-parallel mesh)
     part = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("part", "dp"))["dp"]
     out["sliced_world"] = funcshard.plan(MLP(layers=2), part).world
+    # and so is each rank's own data-parallel group (DeviceMesh.from_group), as in FSDP2
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    own = DeviceMesh.from_group(groups[dist.get_rank()], "cpu", mesh_dim_names=("dp",))
+    out["from_group"] = funcshard.plan(MLP(layers=2), own).world
     return out
 
 
-def test_a_mesh_over_part_of_the_world_fails_on_every_rank():
-    """A (1,) mesh on 2 ranks: rank 0 planned silently with world 1 and rank 1 got "no live process group ... list
-    index out of range" (32e5200); now both raise, naming the mesh, the world and the fix."""
+def test_a_rank_off_its_mesh_fails_naming_the_mesh():
+    """A (1,) mesh on 2 ranks: rank 1 got "no live process group ... list index out of range" (32e5200); now it raises
+    naming the mesh, the world and the fix. Rank 0 is on its mesh and trains on it, as with FSDP2: a mesh over part of
+    the world is how each rank gets the mesh of its own data-parallel group (DeviceMesh.from_group), which cannot be
+    told apart from this one without asking the other ranks (upstream test_1d_process_group_init)."""
     from multirank import run_ranks
 
-    for rank, out in enumerate(run_ranks(2, _too_small_mesh)):
-        assert out.pop("sliced_world") == 1
-        for name, msg in out.items():
-            assert re.search(r"(ShardingError|ValueError): .*mesh DeviceMesh\('cpu', shape \(1\)\) spans 1 of the 2 "
-                             rf"ranks of the world \(ranks \[1\] are not on it; this is rank {rank}\).*Build the mesh "
-                             r"over every rank: init_device_mesh\('cpu', \(2,\)\).*slice that part from a mesh over "
-                             r"every rank", msg), (rank, name, msg)
+    r0, r1 = run_ranks(2, _too_small_mesh)
+    assert r0 == {"plan": 1, "fully_shard": "FSDPMLP", "sliced_world": 1, "from_group": 1}
+    assert r1.pop("sliced_world") == 1 and r1.pop("from_group") == 1
+    for name, msg in r1.items():
+        assert re.search(r"(ShardingError|ValueError): .*mesh DeviceMesh\('cpu', shape \(1\)\) does not contain this "
+                         r"rank \(1 of a world of 2; the mesh spans ranks \[0\]\).*Build the mesh over every rank: "
+                         r"init_device_mesh\('cpu', \(2,\)\).*DeviceMesh.from_group", msg), (name, msg)
 
 
 def _model():

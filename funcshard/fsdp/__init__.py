@@ -19,7 +19,13 @@ hooks; at each group's post-backward the core's reduce-scatter output becomes th
 
 from funcshard._mesh import DataParallelMeshDims
 from funcshard._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from funcshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from funcshard.fsdp._api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from funcshard.fsdp._units import unit_of as _unit_of  # noqa: F401 (tests reach a unit's step)
 
 __all__ = [
@@ -31,4 +37,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

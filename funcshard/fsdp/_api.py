@@ -104,8 +104,9 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
+        step = ctx.begin()  # (raises before the forward counts as begun: a retry starts afresh)
         ctx.fwd_root, ctx.fwd_module = unit, module
-        ctx.begin().begin_forward()
+        step.begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
     if name is not None:
@@ -586,3 +587,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return _post_forward(unit, self, args, orig(*args, **kwargs))
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2's ``share_comm_ctx``: several FSDP roots (pipeline stages, each its own root) share their communication
+    streams, so their collectives' buffers do not fragment memory across streams. funcshard's collectives run on the
+    process group's own streams (NCCL's, one set per communicator; gloo has none) and its host copies on one stream
+    per device, not on streams of each root, so roots over one mesh share them already; this checks ``modules`` as
+    FSDP2 does."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")

@@ -103,6 +103,7 @@ class _Context:
         # steps whose graphs may still run a backward (a forward's graph outlives the next forward: a chunked loss
         # runs a standalone module's forward and backward before the root output's backward)
         self.live: weakref.WeakSet = weakref.WeakSet()
+        self.materialized = False  # no managed parameter is on the meta device (checked by the first begin())
         self.order: tuple[str, ...] = ()  # the groups' forward order last seen, when it differs from the modules'
         self._ordered: dict[tuple[str, ...], Plan] = {}
         self.last_order: tuple[str, ...] = ()
@@ -191,6 +192,9 @@ class _Context:
     def begin(self, fresh: bool = False) -> Step:
         """The Step for the next forward (``fresh``: made by ``unshard()`` before it). Groups the last Step left
         gathered carry over to the new one (``Step.carry_over``)."""
+        if not self.materialized:  # (FSDP2's check when training starts; a state dict of a meta model is fine)
+            _check_materialized(self.units, self.top.modules[0])
+            self.materialized = True
         old = self.step
         if old is not None and old is self.fresh:
             self.fresh = old if fresh else None
@@ -237,6 +241,20 @@ def _check_tied(units: list[_Unit], paths: dict[int, str]) -> None:
                                  f"already managed by another fully_shard call, on {owner.name()}; a parameter "
                                  f"belongs to one unit: shard the modules sharing it together, fully_shard([a, b]), "
                                  f"or leave it to a common ancestor")
+
+
+def _check_materialized(units: list[_Unit], root: nn.Module) -> None:
+    """FSDP2's check when training starts: no managed parameter is left on the meta device (named as FSDP2 names
+    them: the first unit, in root-then-module order, with any)."""
+    for u in units:
+        on_meta = [r for r in u.params if r.padded.is_meta]
+        if on_meta:
+            paths = {id(m): n for n, m in root.named_modules()}
+            names = [f"{paths[id(m)] + '.' if paths[id(m)] else ''}{a}" for r in on_meta for m, a in r.slots[:1]]
+            raise RuntimeError(f"FSDP parameters should be materialized from meta device before training, but the "
+                               f"following were still on meta device: {names}\nFor example, call "
+                               f"module.to_empty(device) to materialize to device and call module.reset_parameters() "
+                               f"on each module to initialize values.")
 
 
 def _check_offloaded(units: list[_Unit], paths: dict[int, str]) -> None:
