@@ -251,6 +251,16 @@ def _wrapper_subclass(t: torch.Tensor) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+EXTENSION = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def patched(t: torch.Tensor) -> bool:
+    """Whether the all-gather extension's methods were set on this tensor object itself (FSDP2 reads them from the
+    instance: a plain tensor can carry them, monkey-patched)."""
+    d = t.__dict__
+    return bool(d) and (EXTENSION[0] in d or EXTENSION[1] in d)
+
+
 def plain(t: torch.Tensor) -> bool:
     """Whether ``t`` is a plain tensor (or parameter), not a tensor subclass."""
     return type(t) in _PLAIN
@@ -268,7 +278,7 @@ def check_extension(t: torch.Tensor, group: str, param: str) -> bool:
     """Whether the tensor's class has the all-gather extension; raises for a class with one of the two methods, or
     a wrapper subclass with neither (its all-gather would move its plain data and hand the module a plain tensor,
     silently). ``plan`` asks it of every parameter, the runtime of every shard it gathers."""
-    if type(t) in _PLAIN:
+    if type(t) in _PLAIN and not patched(t):
         return False
     pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
     where = f"group {group_label(group)}, parameter {param!r}"
@@ -291,7 +301,7 @@ def extension_of(group, layout, shards, plan) -> Extension | None:
     ``fsdp_post_all_gather`` (None: none does). Raises for a class with only one of them, a tensor subclass with
     neither (its all-gather would move its plain data and hand the module a plain tensor, silently), and for what is
     not built with the extension (the flat layout, shards on a dim other than 0, an int ``reshard_after_forward``)."""
-    if all(type(t) in _PLAIN for t in shards):  # (the common case, per step: no attribute lookups)
+    if all(type(t) in _PLAIN and not patched(t) for t in shards):  # (the common case, per step)
         return None
     marks = [check_extension(t, group.name, p) for p, t in zip(group.params, shards)]
     if not any(marks):
@@ -322,6 +332,10 @@ class Extension:
 
         self.group, self.layout, self.marks = group, layout, marks
         self.inner: list[tuple | None] = [None] * len(marks)  # per parameter: the tensors post_all_gather returned
+        # per parameter: the all-gather outputs handed to its first post_all_gather, kept (freed and refilled with the
+        # group) and refilled by every later gather before post_all_gather(..., out=): what it returned may alias
+        # them and expect the new data there (FSDP2's all_gather_outputs: torchao's float8 post only sets the scale)
+        self.outs: list[tuple | None] = [None] * len(marks)
         mesh = plan.mesh
         if mesh.ndim > 1 and mesh.mesh_dim_names:
             mesh = mesh[mesh.mesh_dim_names[plan.shard_axis]]
@@ -333,7 +347,8 @@ class Extension:
     def storages(self, bases) -> list[torch.Tensor]:
         """What is freed and refilled with the group: the plain parameters' buffers, the extension's inner tensors."""
         out = [b for b, m in zip(bases, self.marks) if not m]
-        return out + [t for inner in self.inner if inner for t in inner]
+        kept = [t for inner in (*self.inner, *self.outs) if inner for t in inner]
+        return out + list({id(t): t for t in kept}.values())
 
     def _inputs(self, i: int, shard: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
         import inspect
@@ -424,8 +439,11 @@ class PendingExtension:
                 if ext.inner[i] is None:  # the first gather in this step: the class makes the parameter
                     got = self._post(i, outs, dtype)
                     bases[i], ext.inner[i] = got
-                else:
-                    self._post(i, outs, dtype, out=bases[i])
+                    ext.outs[i] = tuple(outs)
+                else:  # the same output tensors again, refilled (GroupBuffers.allocate gave their storage back)
+                    for kept, new in zip(ext.outs[i], outs):
+                        kept.copy_(new)
+                    self._post(i, ext.outs[i], dtype, out=bases[i])
         if not self.comm_owned:
             free_buffers([self.out])
         self.out = self.work = None

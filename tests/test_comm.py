@@ -240,6 +240,78 @@ def test_int8_all_gather_subclass_matches_fsdp2():
         assert q == 2 * 64 * 4 // 4  # a quarter of the fp32 weights' bytes
 
 
+class AliasAllGather(_Wrapper):
+    """torchao's float8 weights' way: the unsharded weight made by ``fsdp_post_all_gather`` wraps the all-gather output
+    itself, and its ``out=`` call (each later gather) only updates metadata, expecting the new data already there."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,) = outputs
+        if out is not None:
+            assert out._data.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+            return None
+        return type(self)(data.to(param_dtype)), (data,)
+
+
+def _alias_fully_shard(fs, mesh):
+    torch.manual_seed(0)
+    model = _nested(fs, _QMLP(cls=AliasAllGather), mesh)  # (blocks gathered again in backward: the out= call)
+    numbers, params = _fit(model, steps=3, batch=_q_batch)
+    return numbers, params, None
+
+
+@needs_protocols
+def test_all_gather_output_kept_for_post_all_gather_out():
+    """Every gather after the first refills the all-gather outputs ``fsdp_post_all_gather`` was first given (FSDP2's
+    ``all_gather_outputs``) before its ``out=`` call: funcshard handed it new buffers, so a post that relies on the
+    aliasing (torchao's float8: only the scale is set) read freed storage; equal to FSDP2 bit for bit."""
+    for same_losses, param_diff, _, _ in run_ranks(2, _parity, _alias_fully_shard):
+        assert same_losses and param_diff == 0.0
+
+
+def _bf16_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.to(torch.bfloat16),), None
+
+
+@torch.no_grad()
+def _bf16_post(self, outputs, metadata, param_dtype, *, out=None):
+    (t,) = outputs
+    if out is not None:
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            out.copy_(t)
+        return None
+    up = t.to(param_dtype)
+    return up, (t, up)
+
+
+def _patched_fully_shard(fs, mesh):
+    """The extension set on the plain local tensors of the sharded weights (no subclass), after fully_shard."""
+    torch.manual_seed(0)
+    model = _nested(fs, _QMLP(cls=lambda w: w), mesh)  # (even shards: FSDP2 leaves padding to the extension)
+    for name, p in model.named_parameters():
+        if name.startswith("blocks.") and name.endswith("weight"):
+            local = p._local_tensor
+            local.fsdp_pre_all_gather = _bf16_pre.__get__(local)
+            local.fsdp_post_all_gather = _bf16_post.__get__(local)
+    with GroupCollectives() as rec:
+        numbers, params = _fit(model, steps=3, batch=_q_batch)
+    return numbers, params, sorted({c[2] for c in rec.calls if c[0] == "all-gather"}, key=str)
+
+
+@needs_protocols
+def test_extension_monkey_patched_on_a_plain_local_tensor_matches_fsdp2():
+    """FSDP2 reads the extension from the local tensor object: set on a plain tensor it runs (funcshard looked only at
+    tensor subclasses, and at its own state's tensors, not the parameter's local tensor): the blocks' weights
+    all-gathered in bf16, training equal to FSDP2's bit for bit."""
+    for same_losses, param_diff, same_comms, comms in run_ranks(2, _parity, _patched_fully_shard):
+        assert same_losses and param_diff == 0.0 and same_comms
+        # the root's fp32; the blocks' bf16 weights beside their fp32 biases go as bytes (FSDP2's rule); without the
+        # extension running, all fp32
+        assert comms == [torch.float32, torch.uint8], comms
+
+
 def _int8_functional():
     """The same subclass on the functional path (plan / apply / value_and_grad): one step's loss and gradients equal
     FSDP2's with the subclass, bit for bit; each block's all-gather moves the int8 bytes (counted at c10d)."""

@@ -137,8 +137,10 @@ class GroupBuffers:
             self.bases = self.layout.new_buffers(self.device)
             self.copy_to = self.layout.copy_targets(self.bases)
         else:  # storage freed by a reshard: allocate it again (autograd's views stay valid)
-            for t in self.storages():
-                t.untyped_storage().resize_(t.numel() * t.element_size())
+            for t in self.storages():  # (never shrinking: an extension's tensors may be views of one storage)
+                need = (t.storage_offset() + t.numel()) * t.element_size()
+                if t.untyped_storage().nbytes() < need:
+                    t.untyped_storage().resize_(need)
 
     def storages(self) -> list[torch.Tensor]:
         """The tensors whose storage is freed and refilled with the group (with an all-gather extension: the plain
@@ -248,6 +250,7 @@ class GroupBuffers:
         self.bases, self.copy_to, self.status = other.bases, other.copy_to, Status.GATHERED
         if self.ext is not None and other.ext is not None:  # (the parameters fsdp_post_all_gather made)
             self.ext.inner, other.ext.inner = other.ext.inner, [None] * len(other.ext.inner)
+            self.ext.outs, other.ext.outs = other.ext.outs, [None] * len(other.ext.outs)
         other.bases, other.copy_to, other.status = None, None, Status.SHARDED
 
 

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_grad
+from funcshard._comm import EXTENSION
 from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
 from funcshard._offload import drain
 from funcshard._spec import ShardSpec
@@ -47,6 +48,11 @@ class _Param:
         rg, hit = self.param.requires_grad, self._leaf
         if hit is None or hit[0] is not self.padded or hit[1] != rg:
             hit = self._leaf = (self.padded, rg, self.padded.detach().requires_grad_(rg))
+        patched = dtensor_local(self.param).__dict__
+        if patched:  # FSDP2's all-gather extension set on the local tensor object (monkey-patched): the state carries it
+            for name in EXTENSION:
+                if name in patched:
+                    setattr(hit[2], name, patched[name])
         return hit[2]
 
     def dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
