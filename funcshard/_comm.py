@@ -428,8 +428,12 @@ class PendingExtension:
             dts = iter(self.dtypes)
             for i, (m, sizes) in enumerate(zip(ext.marks, self.sizes)):
                 outs = []
+                first = m and ext.inner[i] is None  # (outputs fsdp_post_all_gather keeps: storage of their own, not
+                # a view of the all-gather buffer freed below, which .contiguous() returns for a contiguous chunk:
+                # a group of one input, or one rank)
                 for size in sizes:
-                    c, dt = next(chunks).contiguous(), next(dts)
+                    c, dt = next(chunks), next(dts)
+                    c = c.clone(memory_format=torch.contiguous_format) if first else c.contiguous()
                     outs.append((c.view(dt) if c.dtype != dt else c).view(-1, *size[1:]))
                 spec = lay.specs[i]
                 if not m:

@@ -262,6 +262,38 @@ def _alias_fully_shard(fs, mesh):
     return numbers, params, None
 
 
+class _BiasFree(nn.Module):
+    """Blocks of one bias-free weight each: a group's all-gather has a single input (torchao's float8 Linear case)."""
+
+    def __init__(self, cls, d=8):
+        super().__init__()
+        self.inp, self.out = nn.Linear(7, d), nn.Linear(d, 4)
+        self.blocks = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(2))
+        for b in self.blocks:
+            b.weight = nn.Parameter(cls(b.weight.data))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + F.gelu(b(h))
+        return self.out(h)
+
+
+def _alias_single_input_fully_shard(fs, mesh):
+    torch.manual_seed(0)
+    numbers, params = _fit(_nested(fs, _BiasFree(AliasAllGather), mesh), steps=3, batch=_q_batch)
+    return numbers, params, None
+
+
+@needs_protocols
+@pytest.mark.parametrize("world", [1, 2])
+def test_all_gather_output_kept_when_it_is_the_whole_buffer(world):
+    """A group of one all-gather input (or one rank): its output chunk is the whole all-gather buffer, and the kept
+    output was a view of that buffer, freed after the first post_all_gather (the weight read freed storage)."""
+    for same_losses, param_diff, _, _ in run_ranks(world, _parity, _alias_single_input_fully_shard):
+        assert same_losses and param_diff == 0.0
+
+
 @needs_protocols
 def test_all_gather_output_kept_for_post_all_gather_out():
     """Every gather after the first refills the all-gather outputs ``fsdp_post_all_gather`` was first given (FSDP2's
