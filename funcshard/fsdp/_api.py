@@ -141,6 +141,8 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         output = cast_floating(unit.mp_policy.output_dtype, output)
     if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
         ctx.end_forward()  # (a grouped unit's members not run in it are finished: ``Step.end_forward``)
+        if name is None:  # a parameterless root: no root pre-backward says where this step's backward starts
+            step.watch_backward(output)
         for g in step.groups:  # (those finished there and left gathered: registered as above)
             step.register_unsharded(g)
     return output
