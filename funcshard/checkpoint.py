@@ -29,7 +29,7 @@ from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import bounded_all_reduce, gather_tangents
 from funcshard._comm import plain
-from funcshard._compat import dtensor_local
+from funcshard._compat import dtensor_local, root_mesh
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
 from funcshard._offload import HOST, place_state, to_host
@@ -182,6 +182,25 @@ _pending: list[Future] = []  # the async save in flight on this process (at most
 _async_groups: dict[int, Any] = {}  # id(default process group) -> the gloo group async saves write over
 
 
+_part_groups: dict[tuple, Any] = {}  # (id(world), backend, ranks) -> a group over a part of the world's ranks
+
+
+def _dcp_group(plan: Plan, backend: str | None = None):
+    """The process group DCP's collectives run over: None (the world) when the plan's mesh spans every rank; else one
+    over the mesh's ranks (``DeviceMesh.from_group`` meshes: each part of the world saves and loads a checkpoint of its
+    own, its first rank the coordinator that commits it)."""
+    import torch.distributed as dist
+
+    ranks = tuple(sorted(set(root_mesh(plan.mesh).mesh.flatten().tolist())))
+    if len(ranks) == dist.get_world_size():
+        return None
+    key = (id(dist.group.WORLD), backend, ranks)
+    pg = _part_groups.get(key)
+    if pg is None:  # (only the part's ranks take part in making it)
+        pg = _part_groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+    return pg
+
+
 def _wait_pending() -> None:
     while _pending:
         _pending.pop().result()
@@ -202,6 +221,7 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     from funcshard._checkpoint_commit import CommittingWriter
 
     _wait_pending()
+    dcp_kwargs.setdefault("process_group", _dcp_group(plan))
     dcp.save(state_dict(plan, state, opt_state, tx=tx), storage_writer=CommittingWriter(checkpoint_id), **dcp_kwargs)
 
 
@@ -224,7 +244,7 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     with torch.no_grad():  # the snapshot (DCP's own stager copies each DTensor without the pieces' protocol)
         sd = _state_dict(plan, state, opt_state, tx, copy=lambda t: t.detach().clone())
     world = dist.group.WORLD
-    pg = _async_groups.get(id(world))
+    pg = _async_groups.get(id(world)) if _dcp_group(plan) is None else _dcp_group(plan, "gloo")
     if pg is None:  # DCP's collectives in the writing thread must not share a group with the training's
         _async_groups.clear()
         pg = _async_groups[id(world)] = dist.new_group(backend="gloo")
@@ -327,6 +347,7 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
             filled[id(t.part), t.field] = tree
             for k in tree:
                 sd[OPTIM]["state"].setdefault(k, {})[t.name] = present(specs[k], tree[k], mesh, rank)
+    dcp_kwargs.setdefault("process_group", _dcp_group(plan))
     dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
     if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
         # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
