@@ -255,10 +255,9 @@ EXTENSION = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 
 def patched(t: torch.Tensor) -> bool:
-    """Whether the all-gather extension's methods were set on this tensor object itself (FSDP2 reads them from the
-    instance: a plain tensor can carry them, monkey-patched)."""
-    d = t.__dict__
-    return bool(d) and (EXTENSION[0] in d or EXTENSION[1] in d)
+    """Whether a plain tensor carries the all-gather extension's methods on the object itself (FSDP2 reads them from
+    the instance: monkey-patched). (Attribute lookups: reading ``t.__dict__`` would make one dict per tensor per step.)"""
+    return hasattr(t, EXTENSION[0]) or hasattr(t, EXTENSION[1])
 
 
 def plain(t: torch.Tensor) -> bool:

@@ -48,11 +48,13 @@ class _Param:
         rg, hit = self.param.requires_grad, self._leaf
         if hit is None or hit[0] is not self.padded or hit[1] != rg:
             hit = self._leaf = (self.padded, rg, self.padded.detach().requires_grad_(rg))
-        patched = dtensor_local(self.param).__dict__
-        if patched:  # FSDP2's all-gather extension set on the local tensor object (monkey-patched): the state carries it
-            for name in EXTENSION:
-                if name in patched:
-                    setattr(hit[2], name, patched[name])
+        local = dtensor_local(self.param)
+        cls = type(local)
+        for name in EXTENSION:  # FSDP2's all-gather extension set on the local tensor object (monkey-patched, not the
+            # class's): the state carries it
+            fn = getattr(local, name, None)
+            if fn is not None and getattr(cls, name, None) is None:
+                setattr(hit[2], name, fn)
         return hit[2]
 
     def dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
