@@ -484,11 +484,15 @@ class Step:
         self.unshard(name)
         self.wait(name)
         gb = self.groups[name]
-        if (self.binding.groups[name].views is None and gb.trainable and not self.fused_on
-                and gb.status is Status.GATHERED and self.nodes.saved_views(name) is None):
-            # The forward's node is gone: no recorded op used the group's parameters (reentrant checkpointing inside
-            # the group's forward ran them under no_grad). Its recomputation uses these, and the backward the
-            # checkpoint runs on the recomputed graph reaches their node (the group's post-backward).
+        if ((self.binding.groups[name].views is None or not self.nodes.groups[name].views_grad) and gb.trainable
+                and not self.fused_on and gb.status is Status.GATHERED and self.nodes.saved_views(name) is None):
+            # The module holds no views with autograd history: no recorded op used the group's parameters (reentrant
+            # checkpointing inside the group's forward ran them under no_grad), or the group stayed gathered after
+            # forward with its parameters registered without history (reshard_after_forward=False). A recomputation
+            # that runs no hook of ours (torch.utils.checkpoint inside the unit: checkpoint_wrapper) reads these: with
+            # grad, as in the forward (or it saves fewer tensors: CheckpointError); a reentrant one's backward reaches
+            # their node (the group's post-backward).
+            self.swap_out(name)  # (the registered views make way)
             with torch.enable_grad():
                 self.nodes.gather(name, None, count=False)  # (the forward's node was counted)
         if gb.status is Status.SHARDED:  # not gathered (unshard_in_backward=False): no views
