@@ -81,6 +81,21 @@ def _hooks_1d(fs, mesh):  # the all-reduce hook after the reduce-scatter; set_re
     return numbers, params, None
 
 
+def _hooks_1d_stream(fs, mesh):  # the hook on a stream of its own: it runs there, with the same numbers
+    torch.manual_seed(0)
+    model = _nested(fs, MLP(layers=2), mesh)
+    cpu, stream, seen = torch.get_device_module("cpu"), torch.get_device_module("cpu").Stream(), []
+
+    def hook(t):
+        seen.append(cpu.current_stream() == stream)
+        t.mul_(0.5)
+
+    for m in (model, *model.blocks):
+        m.set_all_reduce_hook(hook, stream=stream)
+    numbers, params = _fit(model, steps=2)
+    return numbers, params, (len(seen) > 0, all(seen))
+
+
 def _parity(scenario):
     mesh = _mesh()
     n_ref, s_ref, c_ref = scenario(torch_fsdp, mesh)
@@ -98,6 +113,13 @@ def test_custom_comms_match_fsdp2_bit_for_bit():
         # the root is gathered once (kept for backward); each block twice (forward, backward), 3 steps
         assert len(root_ag) == 3 and all(len(c[0]) == 6 and len(c[2]) == 3 for c in comms[1:])
         assert len(root_rs) == 3
+
+
+def test_all_reduce_hook_on_a_stream_matches_fsdp2():
+    """``set_all_reduce_hook(hook, stream=...)`` (was not built): the hook runs on the stream (FSDP2's upstream
+    test_custom_hook_custom_stream), numbers equal to FSDP2's bit for bit."""
+    for same_losses, param_diff, same, ran in run_ranks(2, _parity, _hooks_1d_stream):
+        assert same_losses and param_diff == 0.0 and same and ran == (True, True)
 
 
 def test_all_reduce_hook_and_requires_all_reduce_on_1d_mesh_match_fsdp2():

@@ -894,7 +894,8 @@ ERRORS = {
                          r"protocol",
     "custom_reduce_scatter": r"TypeError: MLP: set_custom_reduce_scatter\(object\): expects an object with FSDP2's "
                              r"ReduceScatter protocol",
-    "all_reduce_hook_stream": r"NotImplementedError: set_all_reduce_hook\(stream=...\) is not built yet",
+    "all_reduce_hook_stream": r"TypeError: MLP: set_all_reduce_hook\(stream=object\): expects a stream of the mesh's "
+                              r"device \(cpu\), e.g. torch.get_device_module\('cpu'\).Stream\(\)",
     "int_reshard_setter": r"ValueError: reshard_after_forward should be a bool",
 }
 

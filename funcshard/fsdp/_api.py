@@ -148,6 +148,21 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
     return output
 
 
+def _on_stream(hook: Any, stream: Any, device_type: str) -> Any:
+    """``hook`` run on ``stream``: the stream waits for the current one (the reduced output), the current one waits for
+    the stream after the hook (the output is read next)."""
+    device = torch.get_device_module(device_type)
+
+    def run(output: torch.Tensor) -> None:
+        current = device.current_stream()
+        stream.wait_stream(current)
+        with device.stream(stream):
+            hook(output)
+        current.wait_stream(stream)
+
+    return run
+
+
 def _reshard_hook(module: nn.Module, *args: Any) -> None:  # state_dict / load_state_dict: sharded params
     unit = module.__dict__.get(UNIT)
     if unit is not None and unit.ctx is not None and unit.ctx.fwd_root is None:
@@ -346,14 +361,18 @@ class FSDPModule:
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
         """``hook(output)`` runs on each reduced gradient buffer of this module's group, in the reduce dtype, after
         the HSDP all-reduce (1-D: after the reduce-scatter), with what FSDP2's hook sees there (averaged for fp32 and
-        bf16), before the cast back to the parameters' dtype. ``stream``: refused with HSDP, as in FSDP2; on a 1-D
-        mesh, not built (the hook runs on the current stream)."""
+        bf16), before the cast back to the parameters' dtype. ``stream``: the hook runs on it (it first waits for the
+        current stream's work; the current stream waits for the hook's before the output is read), as in FSDP2;
+        refused with HSDP, as in FSDP2."""
         unit = unit_of(self)
         if stream is not None:
             if unit.mesh.ndim == 2:
                 raise ValueError("stream cannot be set when using native HSDP")
-            raise _not_built("set_all_reduce_hook(stream=...)", "leave stream=None: the hook runs on the current "
-                             "stream after the reduce-scatter")
+            if not hasattr(stream, "wait_stream"):
+                kind = unit.mesh.device_type
+                raise TypeError(f"{unit.name()}: set_all_reduce_hook(stream={type(stream).__name__}): expects a stream "
+                                f"of the mesh's device ({kind}), e.g. torch.get_device_module({kind!r}).Stream()")
+            hook = _on_stream(hook, stream, unit.mesh.device_type)
         self._set(False, all_reduce_hook=hook)
 
     def set_custom_all_gather(self, comm: Any) -> None:
