@@ -279,7 +279,7 @@ def check_extension(t: torch.Tensor, group: str, param: str) -> bool:
     silently). ``plan`` asks it of every parameter, the runtime of every shard it gathers."""
     if type(t) in _PLAIN and not patched(t):
         return False
-    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    pre, post = (hasattr(t, n) for n in EXTENSION)
     where = f"group {group_label(group)}, parameter {param!r}"
     if pre != post:
         have, lack = ("pre", "post") if pre else ("post", "pre")

@@ -244,7 +244,9 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     with torch.no_grad():  # the snapshot (DCP's own stager copies each DTensor without the pieces' protocol)
         sd = _state_dict(plan, state, opt_state, tx, copy=lambda t: t.detach().clone())
     world = dist.group.WORLD
-    pg = _async_groups.get(id(world)) if _dcp_group(plan) is None else _dcp_group(plan, "gloo")
+    pg = _dcp_group(plan, "gloo")  # (a part of the world: a gloo group of its ranks)
+    if pg is None:
+        pg = _async_groups.get(id(world))
     if pg is None:  # DCP's collectives in the writing thread must not share a group with the training's
         _async_groups.clear()
         pg = _async_groups[id(world)] = dist.new_group(backend="gloo")

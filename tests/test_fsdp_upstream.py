@@ -413,7 +413,7 @@ def _older_backward_first_parity():
 def test_recomputation_of_an_older_forward_under_a_parameterless_root_matches_fsdp2():
     """With no parameters on the root nothing marked where a step's backward starts (no root pre-backward), so the
     older forward's recomputation ran on the newer step ("aten.addmm.default got mixed torch.Tensor and DTensor"); the
-    root call's outputs now mark it (``Step.watch_backward``). Equal to FSDP2 bit for bit (review22 A)."""
+    root call's outputs now get the root group's pre-backward hook. Equal to FSDP2 bit for bit (review22 A)."""
     for ref, got in run_ranks(2, _older_backward_first_parity):
         for p, q in zip(got, ref):
             torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -436,25 +436,6 @@ class Step:
         self.begin_backward()
         self.last_pre_backward = next(_PRE_BACKWARD_SEQ)
 
-    def watch_backward(self, output: Any) -> None:
-        """Hook the outputs of a forward whose root group holds no parameters (``fully_shard`` on a parameterless
-        root: nothing else marks where its backward starts), so that ``note_backward`` runs when their gradient
-        arrives, before any recomputation in the root's region."""
-        tensors = grad_inputs(output) if torch.is_grad_enabled() else []
-        if not tensors:
-            return
-        ref = weakref.ref(self)
-
-        def hook(*_):
-            if (step := ref()) is not None:
-                step.note_backward()
-
-        hook = runtime_boundary(hook)
-        if len(tensors) == 1:
-            tensors[0].register_hook(hook)
-        else:
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-
     def recomputing(self) -> bool:
         """Inside this step's running backward (a backward that raised half-way leaves backward_started set; a
         later forward must not take this step's hooks for recomputation)."""

@@ -38,6 +38,7 @@ from funcshard._mesh import (
     spmd_dp_mesh,
 )
 from funcshard._offload import offload_fields, to_host
+from funcshard._plan import ROOT
 from funcshard._policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -141,8 +142,10 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         output = cast_floating(unit.mp_policy.output_dtype, output)
     if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
         ctx.end_forward()  # (a grouped unit's members not run in it are finished: ``Step.end_forward``)
-        if name is None:  # a parameterless root: no root pre-backward says where this step's backward starts
-            step.watch_backward(output)
+        if name is None:  # a parameterless root (no unit group): its outputs get the root group's pre-backward hook,
+            # as apply's do, so this step's backward is marked where it starts (Step.last_pre_backward), before any
+            # recomputation in the root's region
+            output = step.wrap_for_backward(ROOT, output)
         for g in step.groups:  # (those finished there and left gathered: registered as above)
             step.register_unsharded(g)
     return output
