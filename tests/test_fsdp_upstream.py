@@ -20,6 +20,35 @@ import funcshard.fsdp
 from multirank import run_ranks
 
 
+def _sharder(impl: str, **kwargs):
+    """``fully_shard`` of ``impl`` ("torch": FSDP2, else funcshard) with ``kwargs`` bound; by default over a cpu mesh
+    of 2 ranks (torch 2.11's default mesh is cuda where the build has it)."""
+    kwargs.setdefault("mesh", init_device_mesh("cpu", (2,)))
+    return functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard, **kwargs)
+
+
+def _adam_steps(model: nn.Module, backward, seed: int, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    """``steps`` Adam steps (lr 1e-2) after ``torch.manual_seed(seed)``, each running ``backward(model)`` (forward and
+    backward; returns the loss); the losses and the final full parameters."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        losses.append(backward(model))
+        opt.step()
+        opt.zero_grad()
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+def _sum_backward(make_input):
+    """A ``backward`` for :func:`_adam_steps`: the sum of the model's output on ``make_input()``."""
+    def run(model):
+        loss = model(make_input()).sum()
+        loss.backward()
+        return loss.item()
+    return run
+
+
 class _MLP(nn.Module):
     def __init__(self, d: int):
         super().__init__()
@@ -47,16 +76,7 @@ def _tp_fsdp_checkpointed(impl: str, form: str) -> tuple[list[float], list[torch
             model[i] = block = checkpoint_wrapper(block)
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    torch.manual_seed(1)
-    for _ in range(3):
-        loss = model(torch.randn(4, 4)).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+    return _adam_steps(model, _sum_backward(lambda: torch.randn(4, 4)), seed=1)
 
 
 def _tp_checkpoint_parity():
@@ -184,8 +204,7 @@ def _chunked_loss_checkpointed(impl: str, grouped: bool) -> tuple[list[float], l
     recomputes the checkpointed body. 3 Adam steps; losses and final parameters."""
     from torch.distributed._composable import checkpoint
 
-    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard,
-                                    mesh=init_device_mesh("cpu", (2,)))  # (torch 2.11's default mesh: cuda if built)
+    fully_shard = _sharder(impl)
     torch.manual_seed(0)
     model = _ChunkedHead()
     checkpoint(model.body)
@@ -197,10 +216,8 @@ def _chunked_loss_checkpointed(impl: str, grouped: bool) -> tuple[list[float], l
         fully_shard(model.norm)
         fully_shard(model.head)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    torch.manual_seed(1 + torch.distributed.get_rank())
-    for _ in range(3):
+
+    def chunked(model):
         h = model(torch.randint(0, 16, (2, 8)), skip_head=True)
         grads, loss = [], 0.0
         for chunk in torch.chunk(h.detach(), 4, dim=1):
@@ -210,10 +227,9 @@ def _chunked_loss_checkpointed(impl: str, grouped: bool) -> tuple[list[float], l
             grads.append(chunk.grad)
             loss += out.item()
         h.backward(torch.cat(grads, dim=1))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss)
-    return losses, [p.full_tensor() for p in model.parameters()]
+        return loss
+
+    return _adam_steps(model, chunked, seed=1 + torch.distributed.get_rank())
 
 
 def _chunked_loss_parity(grouped: bool):
@@ -247,8 +263,7 @@ def _two_forwards_checkpointed(impl: str, reshard_after_forward: bool) -> tuple[
     composable ``checkpoint``) and sharded with a nested unit inside it. 3 Adam steps; losses and final parameters."""
     from torch.distributed._composable import checkpoint
 
-    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard,
-                                    mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=reshard_after_forward)
+    fully_shard = _sharder(impl, reshard_after_forward=reshard_after_forward)
     torch.manual_seed(0)
     model = nn.Sequential(*(_Residual(8) for _ in range(3)))
     for block in model:
@@ -256,17 +271,14 @@ def _two_forwards_checkpointed(impl: str, reshard_after_forward: bool) -> tuple[
         fully_shard(block.a)
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    torch.manual_seed(1 + torch.distributed.get_rank())
-    for _ in range(3):
+
+    def dpo(model):
         chosen, rejected = model(torch.randn(4, 8)), model(torch.randn(4, 8))
         loss = (chosen.sum() - 0.5 * rejected.sum()) ** 2
         loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+        return loss.item()
+
+    return _adam_steps(model, dpo, seed=1 + torch.distributed.get_rank())
 
 
 def _two_forwards_parity():
@@ -320,22 +332,13 @@ def _dp_subgroups(impl: str) -> tuple[list[float], list[torch.Tensor]]:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mesh = DeviceMesh.from_group(pairs[rank // 2], "cpu", mesh_dim_names=("dp",))
-    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard, mesh=mesh)
+    fully_shard = _sharder(impl, mesh=mesh)
     torch.manual_seed(0)
     model = nn.Sequential(_MLP(4), _MLP(4))
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    torch.manual_seed(1 + rank)
-    losses = []
-    for _ in range(3):
-        loss = model(torch.randn(3, 4) * (1 + rank // 2)).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+    return _adam_steps(model, _sum_backward(lambda: torch.randn(3, 4) * (1 + rank // 2)), seed=1 + rank)
 
 
 def _dp_subgroups_parity():
@@ -391,8 +394,7 @@ class _PostNorm(nn.Module):
 def _older_backward_first(impl: str) -> list[torch.Tensor]:
     """A parameterless root (nn.Sequential) over checkpointed post-norm blocks of two units each; two forwards, then
     the older one's backward first; the gradients after both."""
-    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard,
-                                    mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=True)
+    fully_shard = _sharder(impl, reshard_after_forward=True)
     torch.manual_seed(0)
     model = nn.Sequential(*(_PostNorm() for _ in range(3)))
     for block in model:
@@ -424,8 +426,7 @@ def _wrapper_kept_gathered(impl: str, reentrant: bool) -> tuple[list[float], lis
     the unit's hooks), sharded with ``reshard_after_forward=False`` (torchtitan's last block): 3 Adam steps."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    fully_shard = functools.partial((funcshard.fsdp if impl == "funcshard" else torch_fsdp).fully_shard,
-                                    mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=False)
+    fully_shard = _sharder(impl, reshard_after_forward=False)
     torch.manual_seed(0)
     model = nn.Sequential(*(_MLP(4) for _ in range(2)))
     kind = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
@@ -433,16 +434,8 @@ def _wrapper_kept_gathered(impl: str, reentrant: bool) -> tuple[list[float], lis
         model[i] = checkpoint_wrapper(model[i], checkpoint_impl=kind)
         fully_shard(model[i])
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    torch.manual_seed(1 + torch.distributed.get_rank())
-    for _ in range(3):
-        loss = model(torch.randn(4, 4, requires_grad=reentrant)).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+    return _adam_steps(model, _sum_backward(lambda: torch.randn(4, 4, requires_grad=reentrant)),
+                       seed=1 + torch.distributed.get_rank())
 
 
 def _wrapper_kept_gathered_parity():
