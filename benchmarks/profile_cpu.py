@@ -139,7 +139,7 @@ def install_phase_wrappers() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
     from torch.distributed.fsdp._fully_shard import _fsdp_state as fst
 
-    from funcshard import _apply, _collectives, _runtime
+    from funcshard import _apply, _comm, _pipeline, _runtime
 
     # shared
     _patch(dist.distributed_c10d.Work, "wait", WAIT)
@@ -152,11 +152,13 @@ def install_phase_wrappers() -> None:
     from funcshard._runtime import strategies as _rt_strategies
 
     _patch(_rt_buffers, "start_gather", COPY_IN)
-    _patch(_collectives, "all_gather_into", ISSUE_AG)
-    _patch(_collectives.PendingGather, "finish", COPY_OUT)
+    _patch(_pipeline, "all_gather_into", ISSUE_AG)
+    _patch(_comm, "all_gather_into", ISSUE_AG)
+    _patch(_pipeline.PendingGather, "finish", COPY_OUT)
     _patch(_rt_backward, "start_reduce_scatter", RS_BUILD)  # input build + issue; divide + split in finish
-    _patch(_collectives.PendingReduce, "finish", RS_BUILD)
-    _patch(_collectives, "reduce_scatter_into", ISSUE_RS)
+    _patch(_pipeline.PendingReduce, "finish", RS_BUILD)
+    _patch(_pipeline, "reduce_scatter_into", ISSUE_RS)
+    _patch(_comm, "reduce_scatter_into", ISSUE_RS)
     # (not Step.run: the whole forward's compute runs inside it)
     for m in ("module_pre_forward", "module_post_forward", "gather_for_forward", "post_forward", "wrap_for_backward",
               "pre_backward", "post_backward", "reduce_later", "end_of_backward", "unshard", "wait", "reshard",

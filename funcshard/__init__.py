@@ -10,14 +10,8 @@
 from funcshard import checkpoint, cost, optim, trace
 from funcshard._apply import apply
 from funcshard._comm import CommHook, bf16_reduce_scatter, int8_all_gather
-from funcshard._collectives import (
-    CollectiveError,
-    CollectiveTimeout,
-    DivergenceError,
-    all_gather,
-    all_reduce,
-    reduce_scatter,
-)
+from funcshard._collectives import CollectiveError, CollectiveTimeout, DivergenceError
+from funcshard._primitives import all_gather, all_reduce, reduce_scatter
 from funcshard._grad import value_and_grad
 from funcshard._plan import Group, Plan, plan
 from funcshard._shard import check_state, gather, shard

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._collectives import check_transforms
+from funcshard._primitives import check_transforms
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan

@@ -32,6 +32,7 @@ import torch
 from funcshard._compat import FakeTensorMode, TorchDispatchMode, flop_registry, op_is_mutable, param_slots, torch_tree_leaves
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating, compute_dtype
+from funcshard._spec import takes_grad
 
 FWD_START, FWD_END, BWD_START, BWD_END = "forward start", "forward end", "backward start", "backward end"
 INPUTS_DONE = "inputs' gradients done"  # a group with frozen parameters: the gradients of its forward's inputs
@@ -264,7 +265,7 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
             spec = plan.specs[fqn]
             t = _fake_like(mode, torch.empty(spec.shape, device="meta"), device,
                            compute_dtype(spec.dtype, g.param_dtype))
-            if spec.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex):
+            if takes_grad(spec.requires_grad, t.dtype):
                 t.requires_grad_(True)
             leaves[fqn] = t
     buffers = {n: _fake_like(mode, b, device) for n, b in module.named_buffers()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from funcshard._collectives import Buckets
+from funcshard._pipeline import Buckets
 from funcshard._plan import Plan
 
 def layouts(plan: Plan) -> dict[str, Buckets]:

@@ -24,7 +24,7 @@ import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from funcshard._compat import StridedShard, concatenate_meshes, root_mesh
-from funcshard._spec import ModelSharding, ShardingError
+from funcshard._spec import ModelSharding, ShardingError, shard_placements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,7 @@ def dp_axes(mesh: DeviceMesh) -> DPAxes:
 def dp_placements(mesh: DeviceMesh, dim: int) -> tuple:
     """The DTensor placements of a parameter sharded on tensor dim ``dim`` over ``mesh``'s data-parallel axes:
     ``(Shard(dim),)`` on a 1-D mesh, ``(Replicate(), Shard(dim))`` on an HSDP mesh (FSDP2's)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    axes = dp_axes(mesh)
-    out = [Replicate()] * mesh.ndim
-    out[axes.shard] = Shard(dim)
-    return tuple(out)
+    return shard_placements(mesh.ndim, dp_axes(mesh).shard, dim)
 
 
 def axis_name(mesh: DeviceMesh, axis: int) -> str:
@@ -182,14 +177,15 @@ def default_fsdp_mesh() -> DeviceMesh:
     return init_device_mesh(acc.type if acc is not None else "cpu", (dist.get_world_size(),))
 
 
-def device_of(mesh: DeviceMesh) -> torch.device:
-    """The device this process computes on for ``mesh``."""
+def device_of(mesh: DeviceMesh, api: str) -> torch.device:
+    """The device this process computes on for ``mesh``; ``api`` (the function the user called, e.g.
+    ``"funcshard.apply"``) names it in the error for a device this process does not have."""
     kind = mesh.device_type
     if kind == "cpu":
         return torch.device("cpu")
     handle = getattr(torch, kind, None)
     if handle is None or not getattr(handle, "is_available", lambda: False)():
-        raise ValueError(f"fully_shard got a mesh of device type {kind!r}, and this process has no {kind} "
+        raise ValueError(f"{api} got a mesh of device type {kind!r}, and this process has no {kind} "
                          f"device; build the mesh for the device the model trains on, e.g. "
                          f"init_device_mesh('cpu', (world_size,)) with gloo")
     return torch.device(kind, handle.current_device())

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from funcshard._policy import compute_dtype, reduce_dtype_of
-from funcshard._spec import ShardSpec
+from funcshard._spec import ShardSpec, reduced, takes_grad
 
 if TYPE_CHECKING:
     from funcshard._plan import Plan
@@ -265,15 +265,11 @@ def _collectives(kind: str, g, specs: Sequence[ShardSpec], plan: Plan, k: int | 
 
 
 def _reduced(specs: Sequence[ShardSpec]) -> list[ShardSpec]:
-    """The parameters a group's reduce-scatter covers, as the runtime picks them: none if none takes a gradient;
-    per-parameter layout, those that take one (a frozen parameter costs no traffic); flat layout, all (every
-    parameter keeps its offset in the flat buffer). Integer dtypes have no gradient. Which parameters take a
-    gradient is the plan's ``requires_grad`` (the module's): the runtime asks the shards it is given, the same
-    unless a caller differentiates with respect to shards of frozen parameters too."""
-    if not any(s.requires_grad for s in specs):
-        return []
-    return [s for s in specs if (s.requires_grad or s.flat is not None)
-            and (s.dtype.is_floating_point or s.dtype.is_complex)]
+    """The parameters a group's reduce-scatter covers (``_spec.reduced``, the runtime's rule), by the plan's
+    ``requires_grad`` (the module's): the runtime asks the shards it is given, the same unless a caller
+    differentiates with respect to shards of frozen parameters too."""
+    flat = bool(specs) and specs[0].flat is not None
+    return [specs[i] for i in reduced(flat, [s.requires_grad for s in specs], [s.dtype for s in specs])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +349,8 @@ def _build(plan: Plan) -> Schedule:
     copies: list[HostCopy] = []
     host = {g.name: sum(s.local_numel * s.dtype.itemsize for s in specs[g.name]) for g in plan.groups
             if g.offload_to_cpu}  # (an offloaded group's shards: copied in before each all-gather of them)
-    grads_back = {g.name: sum(s.local_numel * s.dtype.itemsize for s in specs[g.name] if s.requires_grad
-                              and (s.dtype.is_floating_point or s.dtype.is_complex))
+    grads_back = {g.name: sum(s.local_numel * s.dtype.itemsize for s in specs[g.name]
+                              if takes_grad(s.requires_grad, s.dtype))
                   for g in plan.groups if g.offload_to_cpu}  # (its gradient shards, back after the reduce-scatter)
     gathered: set[str] = set()
     resharded: set[str] = set()  # groups kept sharded over k ranks after forward: their next gather runs on k

@@ -7,16 +7,9 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from funcshard._collectives import (
-    Buckets,
-    check_backward_transforms,
-    check_transforms,
-    gather_tangents,
-    jvp_of_gather,
-    no_functorch,
-    raw,
-    reduce_scatter_grads,
-)
+from funcshard._collectives import no_functorch, raw
+from funcshard._pipeline import Buckets, gather_tangents, jvp_of_gather, reduce_scatter_grads
+from funcshard._primitives import check_backward_transforms, check_transforms
 from funcshard._checkpoint_dcp import mark
 from funcshard._compat import dtensor_local, is_batchedtensor
 from funcshard._compile import runtime_boundary
@@ -194,7 +187,7 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
             continue
         shards = [state[p] for p in g.params]
         if g.offload_to_cpu:  # (host shards: gathered on the mesh's device; differentiable copies)
-            shards = [s.to(device_of(plan.mesh)) for s in shards]
+            shards = [s.to(device_of(plan.mesh, "funcshard.gather")) for s in shards]
         full = _Gather.apply(lay[g.name], pg, rank, *shards)
         out.update((p, plan.specs[p].present(t)) for p, t in zip(g.params, full))
     return out

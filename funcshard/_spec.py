@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
 from funcshard._compat import get_interpreter_stack
 
-__all__ = ["Box", "FlatSlot", "ModelSharding", "ShardSpec", "ShardingError", "dim_range", "make_spec"]
+__all__ = ["Box", "FlatSlot", "ModelSharding", "ShardSpec", "ShardingError", "dim_range", "make_spec", "reduced",
+           "takes_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ class ShardSpec:
     def split_view(self, padded: torch.Tensor) -> torch.Tensor:
         """View a padded full tensor as ``(W, *local_shape)`` (rank-major, the all-gather layout).
 
-        The result is a strided view (no copy), with the rank index first.
+        The result is a strided view (no copy), with the rank index first; ``from_split`` is its inverse.
         """
         d = self.dim
         shp = list(self.padded_shape)
@@ -245,8 +247,7 @@ class ShardSpec:
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """The parameter as a view of its padded full tensor."""
-        out = padded.narrow(self.dim, 0, self.size) if self.padding else padded
-        return out.view(self.shape)
+        return unpad(padded, self.dim, self.size, self.padding, self.shape)
 
     def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s padded shard of the full tensor, as a new contiguous tensor."""
@@ -262,18 +263,15 @@ class ShardSpec:
 
     def valid_part(self, local: torch.Tensor, rank: int) -> torch.Tensor:
         """The real rows of rank ``rank``'s padded shard (a view): what DTensor's ``Shard(dim)`` holds there."""
-        n = self.local_valid(rank)
-        return local if n == local.shape[self.dim] else local.narrow(self.dim, 0, n)
+        return valid_rows(local, self.dim, self.local_valid(rank))
 
     def dtensor(self, local: torch.Tensor, mesh, placements=None):
         """A DTensor of the global shape over ``local`` (no copy, no check): by default sharded on ``dim`` over the
-        mesh's data-parallel axes (``_mesh.dp_placements``: ``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an
-        HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
+        spec's ``axis`` of ``mesh`` (the shard axis ``_mesh.dp_axes`` chose when the spec was made) and replicated over
+        the others (``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
         checkpoints present it. A 0-dim parameter (sharded as a 1-element vector): a replicated 0-dim DTensor over
         ``local`` viewed as 0-dim (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed)."""
         from torch.distributed.tensor import DTensor, Replicate
-
-        from funcshard._mesh import dp_placements  # (_mesh imports this module)
 
         if self.model is not None:  # over the data-parallel and the model's axes (``ModelSharding.sharded_*``)
             m = self.model  # (placements given: a carrier whose placements nobody reads, replicated on every axis)
@@ -285,11 +283,10 @@ class ShardSpec:
             with torch.no_grad():
                 return DTensor.from_local(local.view(()), mesh, placements or (Replicate(),) * mesh.ndim,
                                           run_check=False)
-        shape = torch.Size(self.shape)
-        stride = tuple(shape[i + 1:].numel() for i in range(len(shape)))
+        shape, stride = torch.Size(self.shape), contiguous_stride(self.shape)
         with torch.no_grad():
-            return DTensor.from_local(local, mesh, placements or dp_placements(mesh, self.dim), run_check=False,
-                                      shape=shape, stride=stride)
+            return DTensor.from_local(local, mesh, placements or shard_placements(mesh.ndim, self.axis, self.dim),
+                                      run_check=False, shape=shape, stride=stride)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -339,6 +336,67 @@ class ShardSpec:
             f"{self.fqn}: {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} "
             f"dim {self.dim} over axis {self.axis} -> local {self.local_shape}{pad}{frozen}{tied}"
         )
+
+
+# ---- the padded layout on plain arguments (ShardSpec's methods call these; so do the traced mode, whose constants
+# are plain tuples, and the adapter's DTensor parameters) ----------------------------------------------------------
+
+
+def unpad(padded: torch.Tensor, dim: int, size: int, padding: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A parameter of ``shape`` as a view of its padded full tensor (``size`` real rows along ``dim``, then
+    ``padding`` rows of zeros)."""
+    out = padded.narrow(dim, 0, size) if padding else padded
+    return out.view(shape)
+
+
+def from_split(stacked: torch.Tensor, dim: int, padded_shape: tuple[int, ...]) -> torch.Tensor:
+    """Every rank's shard stacked rank-major, ``(W, *local_shape)`` (the all-gather layout), as the padded full
+    tensor: the inverse of ``ShardSpec.split_view``."""
+    return stacked.movedim(0, dim).reshape(padded_shape)
+
+
+def valid_rows(local: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The first ``n`` rows along ``dim`` of a padded local shard, a view (itself when every row is real): what
+    DTensor's ``Shard(dim)`` holds on that rank (``ShardSpec.local_valid`` says ``n``)."""
+    return local if n == local.shape[dim] else local.narrow(dim, 0, n)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a DTensor's global stride)."""
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def differentiable(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` have gradients (floating point or complex; integer parameters have none)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def takes_grad(requires_grad: bool, dtype: torch.dtype) -> bool:
+    """Whether a parameter's gradient is reduce-scattered: it requires grad and its dtype has gradients."""
+    return requires_grad and differentiable(dtype)
+
+
+def reduced(flat: bool, requires_grad: Sequence[bool], dtypes: Sequence[torch.dtype]) -> tuple[int, ...]:
+    """The one rule for which of a group's parameters (by position) its gradient reduce-scatter covers: none if none
+    takes a gradient; per-parameter layout, those that take one (a frozen parameter costs no traffic and no buffer,
+    as in FSDP2); flat layout, every one whose dtype has gradients (each keeps its offset in the flat buffer). The
+    schedule asks it with the plan's ``requires_grad`` (the module's), the runtime with the shards' it is given."""
+    if not any(requires_grad):
+        return ()
+    return tuple(i for i, (g, dt) in enumerate(zip(requires_grad, dtypes)) if (g or flat) and differentiable(dt))
+
+
+def shard_placements(ndim: int, axis: int, dim: int) -> tuple:
+    """The DTensor placements of a tensor sharded on tensor dim ``dim`` over mesh axis ``axis`` of an ``ndim``-axis
+    mesh: ``Shard(dim)`` there, ``Replicate()`` on every other axis (``_mesh.dp_placements`` asks it with the shard
+    axis ``_mesh.dp_axes`` chose; ``ShardSpec.dtensor`` with its own ``axis``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return tuple(Shard(dim) if i == axis else Replicate() for i in range(ndim))
 
 
 def _placements_str(m: ModelSharding) -> str:

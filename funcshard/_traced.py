@@ -60,7 +60,7 @@ from funcshard._plan import Plan
 from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import label
 from funcshard._shard import check_state
-from funcshard._spec import ShardSpec
+from funcshard._spec import ShardSpec, from_split, unpad
 
 
 class _Param(NamedTuple):
@@ -213,10 +213,7 @@ def _unflatten(b: _Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
     for p in b.params:
         piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
         k += p.numel
-        param = piece.movedim(0, p.dim).reshape(p.padded_shape)
-        if p.padding:
-            param = param.narrow(p.dim, 0, p.size)
-        out.append(param.view(p.shape))
+        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
     return tuple(out)
 
 

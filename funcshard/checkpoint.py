@@ -27,7 +27,8 @@ import torch
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
-from funcshard._collectives import bounded_all_reduce, gather_tangents
+from funcshard._collectives import bounded_all_reduce
+from funcshard._pipeline import gather_tangents
 from funcshard._comm import plain
 from funcshard._compat import dtensor_local, root_mesh
 from funcshard._layout import full_layouts
@@ -299,7 +300,8 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     check_committed(checkpoint_id)
     reader = dcp.FileSystemReader(checkpoint_id)
     md = reader.read_metadata().state_dict_metadata
-    specs, rank, mesh, device = plan.specs, _rank(plan), plan.mesh, device_of(plan.mesh)
+    specs, rank, mesh = plan.specs, _rank(plan), plan.mesh
+    device = device_of(plan.mesh, "funcshard.checkpoint.load")
     problems: list[str] = []
     keys = {}  # parameter path -> the name it has in the checkpoint (its first alias present there)
     for k, s in specs.items():
@@ -530,7 +532,8 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
             os.remove(tmp)  # what a failed export wrote; ``to`` is the previous file
     # the writer's outcome on every rank (and the file complete on every rank's return): over the first replica's
     # shard group, then from each of its ranks over its replicate group
-    flag = torch.tensor([failed is not None], dtype=torch.int32, device=device_of(plan.mesh))
+    flag = torch.tensor([failed is not None], dtype=torch.int32,
+                        device=device_of(plan.mesh, "funcshard.checkpoint.export_full"))
     if first:  # (bounded by the plan's timeout: once every rank is past them, the broadcasts below pair up)
         bounded_all_reduce(flag, pg, "checkpoint.export_full's outcome", timeout=plan.timeout)
     if rg is not None:
@@ -588,7 +591,7 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
         if problems:
             raise _fail(plan, f"{path} does not fit the plan", problems,
                         "Load a file of this model, or plan the model the file was written from.")
-        me, device = _rank(plan), device_of(plan.mesh)
+        me, device = _rank(plan), device_of(plan.mesh, "funcshard.checkpoint.import_full")
         state = {}
         for k, s in plan.specs.items():
             local = torch.zeros(s.local_shape, dtype=s.dtype)
@@ -632,7 +635,7 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
     mods = modules_in_order(plan.module, order)
     if init is None:
         check_default_init(mods)
-    specs, device = plan.specs, device_of(plan.mesh)
+    specs, device = plan.specs, device_of(plan.mesh, "funcshard.checkpoint.init_state")
     pg, rank = plan.shard_group()
     key_of = {id(p): k for k, p in module_params(plan).items()}
     state: dict[str, torch.Tensor] = {}

@@ -54,7 +54,7 @@ from funcshard._cost_trace import (
 from funcshard._plan import ROOT, Plan
 from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, FREE, HOST_TO_DEVICE, REDUCE_SCATTER,
                                  Collective, HostCopy, Op, label, schedule)
-from funcshard._spec import ShardingError
+from funcshard._spec import ShardingError, takes_grad
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
 
@@ -574,7 +574,7 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
 
 def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (s.local_shape if s.flat is None else (s.local_numel,), s.dtype) for k, s in plan.specs.items()
-            if s.requires_grad and (s.dtype.is_floating_point or s.dtype.is_complex)}
+            if takes_grad(s.requires_grad, s.dtype)}
 
 
 def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None = None, optimizer: Any = None,

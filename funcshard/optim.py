@@ -499,18 +499,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if not g:
             return updates, ScaleByAdamState(count=count, mu=state.mu, nu=state.nu)
         with torch.no_grad():
-            if donate:  # the moments and the incoming updates are reused in place
-                foreach_lerp_(mu, g, 1.0 - b1)
-                foreach_mul_(nu, b2)
-            else:
-                mu = foreach_lerp(mu, g, 1.0 - b1)
-                nu = foreach_mul(nu, b2)
-            foreach_addcmul_(nu, g, g, 1.0 - b2)
+            # (donate: the moments and the incoming updates are reused in place)
+            mu, nu, denom = _adam_moments(mu, nu, g, b1, b2, (1.0 - b2**count) ** 0.5, eps, donate)
             bias_correction1 = 1.0 - b1**count
-            bias_correction2_sqrt = (1.0 - b2**count) ** 0.5
-            denom = foreach_sqrt(nu)
-            foreach_div_(denom, bias_correction2_sqrt)
-            foreach_add_(denom, eps)
             if donate:
                 foreach_copy_(g, mu)
                 foreach_div_(g, denom)
@@ -526,6 +517,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         )
 
     return GradientTransformation(init_fn, _checked(update_fn, check))
+
+
+def _adam_moments(mu: list, nu: list, g: list, b1: float, b2: float, bias_correction2_sqrt, eps: float,
+                  donate: bool) -> tuple[list, list, list]:
+    """Adam's moments and denominator, torch's ``_multi_tensor_adam`` op for op (the one copy: ``scale_by_adam`` and
+    ``adamw``'s torch-exact step): ``mu <- lerp(mu, g, 1 - b1)``, ``nu <- b2 * nu + (1 - b2) * g * g`` (in place when
+    ``donate``, else new tensors), ``denom = sqrt(nu) / bias_correction2_sqrt + eps``. Returns ``(mu, nu, denom)``."""
+    if donate:
+        foreach_lerp_(mu, g, 1.0 - b1)
+        foreach_mul_(nu, b2)
+    else:
+        mu, nu = foreach_lerp(mu, g, 1.0 - b1), foreach_mul(nu, b2)
+    foreach_addcmul_(nu, g, g, 1.0 - b2)
+    denom = foreach_sqrt(nu)
+    foreach_div_(denom, bias_correction2_sqrt)
+    foreach_add_(denom, eps)
+    return mu, nu, denom
 
 
 def _check_moments(where: str, what: str, updates: PyTree, state: ScaleByAdamState):
@@ -896,20 +904,13 @@ def adamw(
             new = p if donate else [t.clone() for t in p]
             if weight_decay != 0:
                 foreach_mul_(new, 1 - lr_t * weight_decay)
-            if donate:
-                foreach_lerp_(mu, g, 1 - b1)
-                foreach_mul_(nu, b2)
-            else:
-                old = mu + nu
-                mu, nu = foreach_lerp(mu, g, 1 - b1), foreach_mul(nu, b2)
+            old = mu + nu
+            bias_correction2 = 1 - b2 ** float(count)  # torch: beta ** step.item(), step a float tensor
+            mu, nu, denom = _adam_moments(mu, nu, g, b1, b2, bias_correction2**0.5, eps, donate)
+            if not donate:
                 inherit(old, mu + nu)
-            foreach_addcmul_(nu, g, g, 1 - b2)
-            bias_correction1 = 1 - b1 ** float(count)  # torch: beta ** step.item(), step a float tensor
-            bias_correction2 = 1 - b2 ** float(count)
+            bias_correction1 = 1 - b1 ** float(count)
             step_size = (lr_t / bias_correction1) * -1
-            denom = foreach_sqrt(nu)
-            foreach_div_(denom, bias_correction2**0.5)
-            foreach_add_(denom, eps)
             foreach_addcdiv_(new, mu, denom, [step_size] * len(new))
         if not donate:
             inherit(p, new)

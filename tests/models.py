@@ -51,7 +51,7 @@ class ScheduleLog:
         self.events: list[str] = []
 
     def __enter__(self):
-        from funcshard import _collectives, _runtime
+        from funcshard import _collectives, _pipeline, _runtime
 
         names = (_collectives._AG_NAME, _collectives._RS_NAME)  # torch.distributed's, looked up per call
         self._saved = (_runtime.Step.unshard, *(getattr(dist, n) for n in names))
@@ -67,23 +67,23 @@ class ScheduleLog:
             log.append(_kind)
             return _fn(*a, **k)
 
-        finish = self._finish = _collectives.PendingReduce.finish
+        finish = self._finish = _pipeline.PendingReduce.finish
 
-        def logged_finish(pending, divide):
+        def logged_finish(pending, *args, **kwargs):
             log.append("RS taken")
-            return finish(pending, divide)
+            return finish(pending, *args, **kwargs)
 
         _runtime.Step.unshard = logged_unshard
-        _collectives.PendingReduce.finish = logged_finish
+        _pipeline.PendingReduce.finish = logged_finish
         for n, fn, kind in zip(names, (ag, rs), ("ag", "rs")):
             setattr(dist, n, functools.partial(counted, _fn=fn, _kind=kind))
         return self
 
     def __exit__(self, *exc):
-        from funcshard import _collectives, _runtime
+        from funcshard import _collectives, _pipeline, _runtime
 
         _runtime.Step.unshard = self._saved[0]
-        _collectives.PendingReduce.finish = self._finish
+        _pipeline.PendingReduce.finish = self._finish
         for n, fn in zip((_collectives._AG_NAME, _collectives._RS_NAME), self._saved[1:]):
             setattr(dist, n, fn)
 

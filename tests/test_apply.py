@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import funcshard
 from funcshard import ShardingError, optim
-from funcshard._collectives import Buckets
+from funcshard._pipeline import Buckets
 from models import GPT, MLP, Block, EditsFrozen, FailOnce, GPTBlock, ReversedMLP, ScheduleLog
 from multirank import RankError, run_ranks
 from test_foundation import CollectiveCounter
@@ -885,7 +885,7 @@ def _grads_alive_at_reduce_scatter():
     import weakref
     from unittest import mock
 
-    import funcshard._collectives as C
+    import funcshard._pipeline as C
 
     refs, alive = [], []
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._collectives import CollectiveError, no_functorch, raw_grads, start_reduce_scatter
+from funcshard._collectives import CollectiveError, no_functorch, raw_grads
+from funcshard._pipeline import start_reduce_scatter
 from funcshard._compile import runtime_boundary
 from funcshard._offload import host_reduce
 from funcshard._runtime.observe import LISTENERS, emit
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 class ReduceQueue(Part):
     def __init__(self, step: Step):
         super().__init__(step)
-        self.item: tuple | None = None  # (group, PendingReduce, divide factor, sink, extra)
+        self.item: tuple | None = None  # (group, PendingReduce, sink, extra)
 
     def start(self, name: str, grads: list):
         """Free the group (``grads_done``), take the reduce-scatter in flight, then issue the group's (consumes
@@ -63,20 +64,20 @@ class ReduceQueue(Part):
         if self.item is not None and self.item[1].replicate is not None:
             self.finish()
 
-    def defer(self, name: str, pending, factor: float, sink, extra: Any) -> None:
-        self.item = (name, pending, factor, sink, extra)
+    def defer(self, name: str, pending, sink, extra: Any) -> None:
+        self.item = (name, pending, sink, extra)
 
     def _take(self) -> tuple | None:
         if self.item is None:
             return None
-        name, pending, factor, sink, extra = self.item
+        name, pending, sink, extra = self.item
         self.item = None
         if LISTENERS:
             emit("reduce-scatter wait", name, pending)
         options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
         try:
             with no_functorch():
-                shards = pending.finish(factor, **options)
+                shards = pending.finish(**options)
         except CollectiveError as e:
             self.step.fail(e)
             raise
@@ -93,7 +94,7 @@ class ReduceQueue(Part):
                 sink.deliver(name, shards, extra)
 
     def finish_if(self, name: str, extra: Any) -> None:
-        if self.item is not None and self.item[0] == name and self.item[4] == extra:
+        if self.item is not None and self.item[0] == name and self.item[3] == extra:
             self.finish()
 
     def drop(self) -> None:

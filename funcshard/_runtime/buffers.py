@@ -17,23 +17,13 @@ import enum
 
 import torch
 
-from funcshard._collectives import (
-    Buckets,
-    CollectiveError,
-    Where,
-    PendingRegather,
-    free_buffers,
-    no_functorch,
-    no_grad,
-    post_forward_shards,
-    start_gather,
-    start_regather,
-    unwrapped,
-)
-from funcshard._comm import extension_of
+from funcshard._collectives import CollectiveError, free_buffers, no_functorch, no_grad, unwrapped, Where
+from funcshard._pipeline import Buckets, PendingRegather, post_forward_shards, start_gather, start_regather
+from funcshard._extension import extension_of
 from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._offload import to_device
 from funcshard._plan import Group
+from funcshard._spec import reduced
 from funcshard._runtime.observe import LISTENERS, emit
 
 
@@ -68,9 +58,9 @@ class GroupBuffers:
         self.frozen = not all(grad)
         self.trainable = any(grad)
         self.grad_mask = tuple(grad)  # (the ranks check that they agree on it: _runtime.check)
-        # the reduce-scatter's layout: the parameters that take a gradient (decided by the shards, as every rank
+        # the reduce-scatter's layout: the parameters it covers (_spec.reduced, decided by the shards, as every rank
         # sees them; a trainable parameter without a gradient on this rank is sent as zeros, so the ranks agree)
-        self.reduce_layout = layout.only(tuple(i for i, g in enumerate(grad) if g)) if self.frozen else layout
+        self.reduce_layout = layout.only(reduced(layout.flat, grad, [s.dtype for s in layout.specs]))
         self.flat_shards: list | None = None  # the copy-in's views of the shards (Buckets.flat_shards), made once
         self.bases: list[torch.Tensor] | None = None  # the raw unsharded buffers
         self.copy_to: list | None = None  # the copy-out's views of them (Buckets.copy_targets)

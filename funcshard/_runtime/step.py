@@ -84,7 +84,6 @@ class _PlanFacts:
         self.desc = (f"{type(plan.module).__name__} in {len(plan.groups)} groups, timeout {bound}"
                      f"{', check mode' if plan.check else ''}")
         self.masks: dict = {}  # requires-grad masks -> their packed words (check.packed_mask)
-        self.device = device_of(plan.mesh)
 
 
 def _failing(method):
@@ -129,7 +128,7 @@ class Step:
         self.recompute_nested = recompute_nested
         facts = self.facts = _facts(plan)
         self.bound = Bound(self.pg, facts.seconds, facts.desc)
-        self.device = facts.device
+        self.device = device_of(plan.mesh, "funcshard.apply" if sink is None else "fully_shard")
         self.failed: str | None = None  # what failed this step (Step.fail), as text
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan, self.device) for g in plan.groups}
@@ -498,7 +497,7 @@ class Step:
         if LISTENERS:
             emit("reduce-scatter wait", name, pending)
         with no_functorch():
-            shards = pending.finish(self.divide_factor(name))
+            shards = pending.finish()
         if LISTENERS:
             emit("reduce-scatter done", name, pending)
         return shards
@@ -513,7 +512,7 @@ class Step:
             self.frozen.grads_done(name)
             return
         pending = self.reduce_queue.start(name, grads)
-        self.reduce_queue.defer(name, pending, self.divide_factor(name), sink, extra)
+        self.reduce_queue.defer(name, pending, sink, extra)
 
     @runtime_boundary  # (autograd's end-of-backward callback, under torch.compile too)
     @_failing

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._collectives import check_backward_transforms, check_batched_grads, jvp_of_gather
+from funcshard._pipeline import jvp_of_gather
+from funcshard._primitives import check_backward_transforms, check_batched_grads
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,

@@ -8,7 +8,6 @@ methods change unit settings, which become Plan edits at the next iteration (``_
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -26,7 +25,7 @@ from funcshard._compat import (
     mark_composable,
     param_slots,
 )
-from funcshard._comm import custom_comm, storage_ptr
+from funcshard._comm import custom_comm
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
     check_mesh,
@@ -50,9 +49,19 @@ from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
-from funcshard.fsdp._units import UNIT, FSDPState, _Unit, cls_name, ctx_of, fsdp_class, state_of, unit_of
+from funcshard.fsdp._units import (
+    _OWNER,
+    UNIT,
+    FSDPState,
+    _resync,
+    _Unit,
+    cls_name,
+    ctx_of,
+    fsdp_class,
+    state_of,
+    unit_of,
+)
 
-_OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
 
 
 def _not_built(what: str, instead: str) -> NotImplementedError:
@@ -109,7 +118,8 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
         ctx.fwd_root, ctx.fwd_module = unit, module
         step.begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
-            moved = module_io_map_only(torch.Tensor, lambda t: t.to(device_of(unit.mesh)), (args, kwargs))
+            device = device_of(unit.mesh, "fully_shard")
+            moved = module_io_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
     if name is not None:
         new = ctx.step.module_pre_forward(name, module, *(moved if moved is not None else (args, kwargs)))
     else:  # a unit without parameters of its own: no group, but its policy's casts apply (as in FSDP2)
@@ -170,42 +180,6 @@ def _reshard_hook(module: nn.Module, *args: Any) -> None:  # state_dict / load_s
     unit = module.__dict__.get(UNIT)
     if unit is not None and unit.ctx is not None and unit.ctx.fwd_root is None:
         FSDPModule.reshard(module)
-
-
-def _resync(unit: _Unit) -> None:
-    """After ``_apply`` (``to``, ``to_empty``) or ``load_state_dict(assign=True)`` replaced parameter data:
-    pad the new local tensors again; they become the state the runtime reads."""
-    changed = False
-    for r in unit.params:
-        mod, attr = r.slots[0]
-        cur = param_slots(mod)[attr]
-        if not isinstance(cur, DTensor):
-            raise TypeError(f"fully_shard: {unit.name()}.{attr} was replaced by a {type(cur).__name__}; "
-                            f"managed parameters must stay DTensors (load a sharded state dict instead)")
-        setattr(cur, _OWNER, unit)  # swap_tensors (in nn.Module._apply) moves __dict__ to the other tensor
-        with torch.no_grad():
-            local = cur.to_local()
-        if cur is r.param and local.dtype == r.padded.dtype and local.device == r.padded.device and (
-                r.padded.is_meta or storage_ptr(local) == storage_ptr(r.padded)):
-            continue
-        r.spec = dataclasses.replace(r.spec, dtype=local.dtype)
-        r.padded = local.new_zeros(r.spec.local_shape)
-        with torch.no_grad():
-            r.local(r.padded).copy_(local)
-        if unit.pin_memory and not r.padded.is_meta:  # FSDP2: a pinning unit's new local tensor goes to pinned memory
-            r.padded = to_host(r.padded, True)
-        new = nn.Parameter(r.dtensor(r.local(r.padded), unit.mesh), requires_grad=cur.requires_grad)
-        try:  # keep the parameter object (optimizers may hold it), as nn.Module._apply does
-            torch.utils.swap_tensors(cur, new)
-            new = cur
-        except RuntimeError:
-            pass
-        for m, a in r.slots:
-            param_slots(m)[a] = new
-        setattr(new, _OWNER, unit)
-        r.param, changed = new, True
-    if changed and unit.ctx is not None:
-        unit.ctx.stale = True  # rebuild the plan (dtypes may have changed) at the next forward
 
 
 # ---- the public API ---------------------------------------------------------------------------------
@@ -463,7 +437,7 @@ def fully_shard(
         if mesh.mesh_dim_names is None:
             raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
         mesh, spmd = spmd_dp_mesh(mesh, dp_mesh_dims)
-    device = device_of(mesh)
+    device = device_of(mesh, "fully_shard")
     check_mesh(mesh)
     axes = dp_axes(mesh)  # (1-D: shard over it; 2-D: (replicate, shard), HSDP)
     world, rank = mesh.size(axes.shard), mesh.get_local_rank(axes.shard)

@@ -19,7 +19,7 @@ from funcshard._collectives import no_grad
 from funcshard._comm import EXTENSION
 from funcshard._compat import dtensor_local, dtensor_spec, new_dtensor, post_accumulate_grad_hooks
 from funcshard._offload import drain
-from funcshard._spec import ShardSpec
+from funcshard._spec import ShardSpec, valid_rows
 
 if TYPE_CHECKING:
     from funcshard.fsdp._units import _Context
@@ -38,9 +38,7 @@ class _Param:
 
     def local(self, padded: torch.Tensor) -> torch.Tensor:
         """The unpadded part of a padded local shard: what DTensor's ``Shard(dim)`` holds on this rank."""
-        if self.valid == padded.shape[self.spec.dim]:
-            return padded
-        return padded.narrow(self.spec.dim, 0, self.valid)
+        return valid_rows(padded, self.spec.dim, self.valid)
 
     def leaf(self) -> torch.Tensor:
         """The padded shard as the runtime's state (an autograd leaf that never gets a ``.grad``: the gradients

@@ -15,7 +15,11 @@ import weakref
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from funcshard._comm import storage_ptr
+from funcshard._compat import param_slots
+from funcshard._offload import to_host
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._plan import plan as make_plan
 from funcshard._policy import MixedPrecisionPolicy, reshard_after_forward_default
@@ -23,6 +27,7 @@ from funcshard._runtime import Step
 from funcshard.fsdp._sink import GradSink, _Param
 
 UNIT = "_funcshard_unit"  # module attribute: the unit the module belongs to
+_OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
 FSDP_CLASSES: dict[type, type] = {}  # a module class -> its FSDP<Cls> subclass
 
 
@@ -82,8 +87,6 @@ def ctx_of(unit: _Unit) -> _Context:
     top = unit
     while top.parent is not None:
         top = top.parent
-    from funcshard.fsdp._api import _resync  # (_api imports this module)
-
     for m in top.modules[0].modules():  # parameters replaced since fully_shard (FSDP2 resets them at lazy init)
         if (u := m.__dict__.get(UNIT)) is not None:
             _resync(u)
@@ -364,3 +367,39 @@ def _ancestor_states(unit: _Unit) -> list[FSDPState]:
 def _module_path(ctx: _Context, unit: _Unit) -> str:
     paths = {id(m): n for n, m in ctx.top.modules[0].named_modules()}
     return ", ".join(paths[id(m)] for m in unit.modules)
+
+
+def _resync(unit: _Unit) -> None:
+    """After ``_apply`` (``to``, ``to_empty``) or ``load_state_dict(assign=True)`` replaced parameter data:
+    pad the new local tensors again; they become the state the runtime reads."""
+    changed = False
+    for r in unit.params:
+        mod, attr = r.slots[0]
+        cur = param_slots(mod)[attr]
+        if not isinstance(cur, DTensor):
+            raise TypeError(f"fully_shard: {unit.name()}.{attr} was replaced by a {type(cur).__name__}; "
+                            f"managed parameters must stay DTensors (load a sharded state dict instead)")
+        setattr(cur, _OWNER, unit)  # swap_tensors (in nn.Module._apply) moves __dict__ to the other tensor
+        with torch.no_grad():
+            local = cur.to_local()
+        if cur is r.param and local.dtype == r.padded.dtype and local.device == r.padded.device and (
+                r.padded.is_meta or storage_ptr(local) == storage_ptr(r.padded)):
+            continue
+        r.spec = dataclasses.replace(r.spec, dtype=local.dtype)
+        r.padded = local.new_zeros(r.spec.local_shape)
+        with torch.no_grad():
+            r.local(r.padded).copy_(local)
+        if unit.pin_memory and not r.padded.is_meta:  # FSDP2: a pinning unit's new local tensor goes to pinned memory
+            r.padded = to_host(r.padded, True)
+        new = nn.Parameter(r.dtensor(r.local(r.padded), unit.mesh), requires_grad=cur.requires_grad)
+        try:  # keep the parameter object (optimizers may hold it), as nn.Module._apply does
+            torch.utils.swap_tensors(cur, new)
+            new = cur
+        except RuntimeError:
+            pass
+        for m, a in r.slots:
+            param_slots(m)[a] = new
+        setattr(new, _OWNER, unit)
+        r.param, changed = new, True
+    if changed and unit.ctx is not None:
+        unit.ctx.stale = True  # rebuild the plan (dtypes may have changed) at the next forward

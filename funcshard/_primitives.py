@@ -1,0 +1,211 @@
+"""The public differentiable collectives: ``funcshard.all_gather`` / ``reduce_scatter`` / ``all_reduce``, and the
+rules of which torch.func transforms the sharded gather supports.
+
+all_gather and reduce_scatter are each other's transpose: the backward of all_gather is a reduce-scatter
+with a *sum* (the mathematical transpose), and vice versa; all_reduce (sum) is its own transpose. None of
+them averages: data-parallel averaging is one explicit divide, applied by the runtime after the gradient
+reduce-scatter (``_pipeline.PendingReduce.finish``), never inside these functions. Each has its jvp (the collective
+of the tangent) and vmap (the batch dim moved off dim 0) rule beside it. Their waits are ``_collectives.wait_work``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from funcshard._collectives import (
+    all_gather_into,
+    bounded_all_reduce,
+    no_functorch,
+    public_where,
+    reduce_scatter_into,
+    wait_work,
+)
+from funcshard._compat import TransformType, dispatch_keys, get_interpreter_stack
+from funcshard._mesh import shard_group
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce"]
+
+
+def check_transforms(what: str) -> None:
+    """The sharded gather's rules are first-order: one torch.func grad/vjp or jvp level, or none.
+
+    Its backward reduce-scatters plain tensors, so an outer transform would see no dependence (nested grad:
+    wrong second derivatives) or per-example gradients folded into one (vmap over grad). Refuse instead.
+    """
+    stack = get_interpreter_stack()
+    if not stack:
+        return
+    kinds = [i.key() for i in stack]
+    if len(kinds) == 1 and kinds[0] in (TransformType.Grad, TransformType.Jvp):
+        return
+    names = " inside ".join(str(k).rsplit(".", 1)[-1].lower() for k in reversed(kinds))
+    raise NotImplementedError(
+        f"{what} runs under a single torch.func grad/vjp/grad_and_value or jvp transform; it was called under "
+        f"{names}. Nested transforms through the sharded gather (hessians, vmap over grad, jacrev of grad) are "
+        f"not built yet: take first-order gradients with funcshard, or gather the parameters "
+        f"(funcshard.gather) and apply the nested transform to the unsharded function"
+    )
+
+
+def check_backward_transforms(what: str) -> None:
+    """The same rule for the backward: a vjp function called under vmap (torch.func.jacrev, vmap over
+    vjp_fn) hands the sharded gather batched cotangents, which its reduce-scatter would fold together."""
+    stack = get_interpreter_stack()
+    if stack and any(i.key() == TransformType.Vmap for i in stack):
+        raise NotImplementedError(
+            f"the backward of {what} ran under vmap (torch.func.jacrev or jacfwd over it, or vmap over a vjp "
+            f"function): batched cotangents through the sharded gather are not built yet. Call the vjp function "
+            f"once per cotangent, or gather the parameters (funcshard.gather) and take the jacobian of the "
+            f"unsharded function"
+        )
+
+
+def check_batched_grads(what: str, grads) -> None:
+    """Plain autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True)) hands the sharded
+    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's."""
+    g = next((g for g in grads if g is not None), None)
+    if g is not None and "Batched" in repr(dispatch_keys(g)):  # (the key is not in Python's enum)
+        raise NotImplementedError(
+            f"the backward of {what} got batched gradients (torch.autograd.grad(..., is_grads_batched=True)): "
+            f"batched cotangents through the sharded gather are not built yet; call torch.autograd.grad once per "
+            f"cotangent (retain_graph=True)")
+
+
+def _group_of(where) -> dist.ProcessGroup:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(where, DeviceMesh):
+        return shard_group(where)
+    return where if where is not None else dist.group.WORLD
+
+
+# ---- differentiable collectives (dim 0; under autograd and torch.func) --------------------------
+
+
+def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Tensor:
+    w = dist.get_world_size(group)
+    where = public_where("all-gather", what, group)
+    x = x.contiguous()
+    out = x.new_empty((w * x.shape[0], *x.shape[1:]))
+    wait_work(all_gather_into(out, x, group), where)
+    return out
+
+
+def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch.Tensor:
+    w = dist.get_world_size(group)
+    if x.shape[0] % w:
+        raise ValueError(
+            f"reduce_scatter needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
+        )
+    where = public_where("reduce-scatter", what, group)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // w, *x.shape[1:]))
+    wait_work(reduce_scatter_into(out, x, group), where)
+    return out
+
+
+def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    bounded_all_reduce(out, group, what)
+    return out
+
+
+def _batched(fn, x, bdim, group):
+    """vmap rule: move the batch dim to 1 so dim 0 stays the collective's dim."""
+    if bdim is None:
+        return fn(x, group), None
+    x = x.movedim(bdim, 1) if x.dim() > 1 else x.movedim(bdim, 0).unsqueeze(0)
+    return fn(x, group), 1
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        with no_functorch():
+            return _ag(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        with no_functorch():
+            return _rs(g, ctx.group, "the backward of funcshard.all_gather"), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _AllGather.apply(t, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _batched(_AllGather.apply, x, in_dims[0], group)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        with no_functorch():
+            return _rs(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        with no_functorch():
+            return _ag(g, ctx.group, "the backward of funcshard.reduce_scatter"), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _ReduceScatter.apply(t, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _batched(_ReduceScatter.apply, x, in_dims[0], group)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        with no_functorch():
+            return _ar(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        with no_functorch():
+            return _ar(g, ctx.group, "the backward of funcshard.all_reduce"), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _AllReduce.apply(t, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _AllReduce.apply(x, group), in_dims[0]
+
+
+def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0. Backward: reduce-scatter (sum). ``group``: a
+    ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group).
+
+    Like the three public collectives (and their backward), it waits at most ``FUNCSHARD_TIMEOUT`` seconds (else 300)
+    on gloo, then raises ``CollectiveTimeout`` naming it, and the group is refused afterwards (a rank that never
+    joins: dead, or running something else); on NCCL the bound is NCCL's own watchdog."""
+    return _AllGather.apply(x, _group_of(group))
+
+
+def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``x`` over ranks and give each rank its dim-0 slice. Backward: all-gather."""
+    return _ReduceScatter.apply(x, _group_of(group))
+
+
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``x`` over ranks. Backward: all-reduce (sum) of the cotangent."""
+    return _AllReduce.apply(x, _group_of(group))
