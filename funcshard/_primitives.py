@@ -27,8 +27,18 @@ from funcshard._mesh import shard_group
 __all__ = ["all_gather", "reduce_scatter", "all_reduce"]
 
 
-def check_transforms(what: str) -> None:
-    """The sharded gather's rules are first-order: one torch.func grad/vjp or jvp level, or none.
+def transform_stack(stack=None) -> str:
+    """The active torch.func transforms, outermost first, written as calls: ``vmap(grad(...))``."""
+    stack = get_interpreter_stack() if stack is None else stack
+    names = [str(i.key()).rsplit(".", 1)[-1].lower() for i in stack or ()]
+    return "".join(f"{n}(" for n in names) + "..." + ")" * len(names)
+
+
+_TRANSFORM_NAMES = {TransformType.Grad: "grad/vjp/grad_and_value", TransformType.Jvp: "jvp"}
+
+
+def check_transforms(what: str, kinds=(TransformType.Grad, TransformType.Jvp), fix: str = "") -> None:
+    """The sharded gather's rules are first-order: one torch.func level of ``kinds`` (grad/vjp or jvp), or none.
 
     Its backward reduce-scatters plain tensors, so an outer transform would see no dependence (nested grad:
     wrong second derivatives) or per-example gradients folded into one (vmap over grad). Refuse instead.
@@ -36,15 +46,15 @@ def check_transforms(what: str) -> None:
     stack = get_interpreter_stack()
     if not stack:
         return
-    kinds = [i.key() for i in stack]
-    if len(kinds) == 1 and kinds[0] in (TransformType.Grad, TransformType.Jvp):
+    found = [i.key() for i in stack]
+    if len(found) == 1 and found[0] in kinds:
         return
-    names = " inside ".join(str(k).rsplit(".", 1)[-1].lower() for k in reversed(kinds))
+    names = " inside ".join(str(k).rsplit(".", 1)[-1].lower() for k in reversed(found))
     raise NotImplementedError(
-        f"{what} runs under a single torch.func grad/vjp/grad_and_value or jvp transform; it was called under "
-        f"{names}. Nested transforms through the sharded gather (hessians, vmap over grad, jacrev of grad) are "
-        f"not built yet: take first-order gradients with funcshard, or gather the parameters "
-        f"(funcshard.gather) and apply the nested transform to the unsharded function"
+        f"{what} runs under a single torch.func {' or '.join(_TRANSFORM_NAMES[k] for k in kinds)} transform; it was "
+        f"called under {names} ({transform_stack(stack)}). Nested transforms through the sharded gather (hessians, "
+        f"vmap over grad, jacrev of grad) are not built yet: {fix}take first-order gradients with funcshard, or "
+        f"gather the parameters (funcshard.gather) and apply the nested transform to the unsharded function"
     )
 
 

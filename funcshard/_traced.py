@@ -55,7 +55,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcshard._compat import c10d_functional
+from funcshard._primitives import check_backward_transforms, check_batched_grads, check_transforms
+from funcshard._compat import TransformType, c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
 from funcshard._plan import Plan
 from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import label
@@ -177,6 +178,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         b: _Bucket = ctx.bucket
+        compiling = torch.compiler.is_compiling()  # (dynamo traces this backward: no functorch levels to read)
+        if not compiling:
+            _check_backward(grad)
         # the shards differentiated (as apply asks the shards it is given): with the plan's frozen parameters left
         # out of the state differentiated, none of theirs
         reduced = [i for i in range(len(b.params)) if ctx.needs_input_grad[1 + i]]
@@ -195,7 +199,49 @@ class _Gather(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
+        if not compiling and grad.requires_grad and torch.is_grad_enabled() and not get_interpreter_stack():
+            # create_graph=True (torch.func.grad's own backward has grad mode on too: one level, checked in forward)
+            for i, g in zip(reduced, _FirstOrder.apply(grad, *(grads[i] for i in reduced))):
+                grads[i] = g
         return None, *grads
+
+
+_WHAT = "funcshard.traced_apply"
+
+
+def _check_forward(state: Mapping[str, torch.Tensor]) -> None:
+    """The transforms the traced gather gets right: any over the inputs alone (the shards are constants to them),
+    and one grad/vjp level over the state. Its all-gather has no jvp or vmap rule (a jvp of the state got a zero
+    tangent, a vmap over stacked states another rank's rows) and its backward is first order (a grad of a grad got
+    zeros): apply's rule (``check_transforms``), jvp left out."""
+    if get_interpreter_stack() and any(is_functorch_wrapped_tensor(t) for t in state.values()):
+        check_transforms(_WHAT, kinds=(TransformType.Grad,), fix="for a jvp of the state use funcshard.apply; otherwise ")
+
+
+def _check_backward(grad: torch.Tensor) -> None:
+    """apply's backward rules: no batched cotangents (vmap over a vjp function, jacrev)."""
+    check_backward_transforms(_WHAT)
+    check_batched_grads(_WHAT, (grad,))
+
+
+class _FirstOrder(torch.autograd.Function):
+    """The shard gradients of a backward with create_graph=True: their values, and a backward that raises. The
+    reduce-scatter carries no graph, so a derivative of these gradients (a double backward: MAML, a Hessian-vector
+    product) would miss every term through the gather. Depends on the incoming gradient only to be differentiated
+    exactly when it could be: an incoming gradient that does not require grad depends on no parameter, and then the
+    terms through the gather are zero (the values returned are right)."""
+
+    @staticmethod
+    def forward(ctx, dep, *pieces):
+        return tuple(p.view_as(p) for p in pieces)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{_WHAT}: a gradient taken with create_graph=True (torch.autograd.grad(..., create_graph=True), or a "
+            f"torch.func.vjp function) was differentiated again (a double backward); the traced gather's gradients "
+            f"are first order, so this derivative would miss every term through the gather. Differentiate once, or "
+            f"gather the parameters (funcshard.gather) and differentiate the unsharded function")
 
 
 def _must_recompute(ctx, func, *args, **kwargs):
@@ -251,11 +297,18 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
 
     Same values and gradients as :func:`funcshard.apply` (gradients reduce-scattered and divided by the plan's
     factor, in the reduce dtype, returned in the shards' dtype; for the shards being differentiated), under
-    ``funcshard.value_and_grad``, ``torch.func.grad`` / ``grad_and_value`` (not compiled) or plain autograd; same
-    restrictions on ``state``. Compiled, groups that reshard after forward are gathered again in backward; not
+    ``funcshard.value_and_grad``, ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` (not compiled) or plain autograd;
+    same restrictions on ``state``. Any ``torch.func`` transform of the inputs alone (the shards captured) is the
+    unsharded module's. Refused, naming the transform stack (``NotImplementedError``): a transform of the state
+    other than one grad/vjp level (a jvp of the state, a vmap over stacked states, nested ones: ``vmap(grad(...))``,
+    ``grad(grad(...))``), a vjp function called under vmap (jacrev), and differentiating again a gradient taken
+    with ``create_graph=True`` (a double backward: raised when it reaches the shard gradients), at every world
+    size. Compiled, groups that reshard after forward are gathered again in backward; not
     compiled, without apply's memory bound.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
+    if not torch.compiler.is_compiling():
+        _check_forward(state)
     if hooked := [g.name for g in plan.groups if g.comm is not None]:
         raise NotImplementedError(f"traced_apply: groups {hooked} have comm hooks (Group.comm), which the traced mode "
                                   f"does not run; use funcshard.apply, or a plan without them")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from datetime import timedelta
 
 import pytest
@@ -37,12 +38,15 @@ class _Net(nn.Module):
         self.skip: set[int] = set()
         self.fail_at: int | None = None
         self.die_at: int | None = None
+        self.sleep_at: tuple[int, float] | None = None  # (block, seconds)
 
     def forward(self, x):
         x = self.inp(x)
         for i, b in enumerate(self.blocks):
             if i == self.die_at:
                 os._exit(3)
+            if self.sleep_at is not None and i == self.sleep_at[0] and torch.is_grad_enabled():
+                time.sleep(self.sleep_at[1])
             if i == self.fail_at:
                 raise ValueError("a rank's own error in forward")
             if i not in self.skip:
@@ -105,14 +109,17 @@ def _setup(scenario: str, rank: int, model: _Net) -> dict:
             model.fail_at = 2
         elif scenario == "killed":
             model.die_at = 2
+        elif scenario == "slow_end":
+            model.sleep_at = (3, TIMEOUT + 2)
     frozen = {"frozen_equal": ["blocks.1.0.weight" if rank == 0 else "blocks.2.0.weight"],
               "frozen_unequal": ["blocks.1.0.bias"] if rank == 1 else []}.get(scenario, [])
     return {"mb": mb, "frozen": frozen}
 
 
-def _scenario(path: str, scenario: str, check: bool = False):
+def _scenario(path: str, scenario: str, check: bool = False, again: bool = False):
     """One rank's run of a divergence scenario: 2 steps (microbatches), the second where they diverge... Returns
-    (error type, message, whether the state / parameters are as before)."""
+    (error type, message, whether the state / parameters are as before); ``again``: and what one more step raised
+    after that ("type: message"; "ok" if it ran)."""
     torch.manual_seed(0)
     rank = dist.get_rank()
     mesh = _fresh_mesh()
@@ -133,7 +140,7 @@ def _scenario(path: str, scenario: str, check: bool = False):
         except Exception as e:  # noqa: BLE001 (the scenario's outcome is the result)
             result = (type(e).__name__, str(e))
         intact = all(torch.equal(before[k], v) for k, v in state.items())
-        return (*result, intact)
+        return (*result, intact, *([_outcome(lambda: step(train, frozen))] if again else []))
     from torch.distributed.tensor import DTensor
 
     for b in model.blocks:
@@ -152,7 +159,15 @@ def _scenario(path: str, scenario: str, check: bool = False):
     except Exception as e:  # noqa: BLE001
         result = (type(e).__name__, str(e))
     intact = all(isinstance(p, DTensor) and torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
-    return (*result, intact)
+    return (*result, intact, *([_outcome(lambda: model(x).backward())] if again else []))
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the outcome is the result)
+        return f"{type(e).__name__}: {e}"
+    return "ok"
 
 
 _TRUST = (r"The process group can no longer be trusted \(its collective is still pending in the backend\): end the job "
@@ -182,6 +197,27 @@ def test_divergence_raises_on_every_rank(path, scenario, rank0, rank1):
         pattern = rank0 if rank == 0 or rank1 == "same" else rank1
         assert re.search(pattern, f"{kind}: {message}", re.S), (rank, kind, message)
         assert intact or kind == "ValueError"  # (a rank's own error: fully_shard's reset_iter_state, as in FSDP2)
+
+
+_REFUSED = (r"CollectiveError: funcshard: process group .* cannot be used: {}.* in an earlier step, so its collectives "
+            r"may still be pending.*Restart the job")
+
+
+@pytest.mark.parametrize("path", ["apply", "fully_shard"])
+@pytest.mark.parametrize("scenario, cause", [
+    ("frozen_equal", "the ranks disagree on which parameters take gradients"),
+    pytest.param("slow_end", r"ranks \[1\] did not reach the end of the s", marks=pytest.mark.slow),  # (7 s each)
+])
+def test_after_a_failed_step_the_group_is_refused(path, scenario, cause):
+    """After a DivergenceError, or a timeout at the end-of-forward exchange (rank 1 stalls in its last block past the
+    bound), the next step raises funcshard's "cannot be used" on both paths. Before, fully_shard's next forward ran
+    on as if nested in the failed one and raised torch's "mixed torch.Tensor and DTensor"."""
+    results = run_ranks(2, _scenario, path, scenario, False, True, timeout=JOB_S)
+    for rank, (kind, message, intact, again) in enumerate(results):
+        if scenario == "slow_end" and rank == 1:
+            continue  # (the rank that stalled: what it sees depends on when it wakes)
+        assert kind in ("DivergenceError", "CollectiveTimeout") and intact, (rank, kind, message)
+        assert re.search(_REFUSED.format(cause), again, re.S), (rank, message[:300], again[:300])
 
 
 def test_microbatches_apply_the_waiting_rank_times_out():

@@ -362,3 +362,129 @@ def test_batchnorm_buffers_are_the_modules_own():
                          r"\['bn\.running_mean', 'bn\.running_var'\].*Buffers are not part of funcshard's state.*"
                          r"Fix: train with funcshard\.value_and_grad or loss\.backward\(\)", msg), msg
         assert all(out.values()), out
+
+
+# ---- traced_apply under torch.func: right, or refused naming the transform stack (issue 31) -------------------
+
+_STACK = r"called under {} \({}\).*funcshard\.gather"
+_TRACED_ROWS = {  # row -> None (right: checked against the unsharded reference) or the refusal's pattern
+    "autograd": None, "grad": None, "vjp": None, "jvp_inputs": None, "vmap_inputs": None, "grad_inputs": None,
+    "hessian_inputs": None,
+    "jvp_state": _STACK.format("jvp", r"jvp\(\.\.\.\)"),
+    "vmap_state": _STACK.format("vmap", r"vmap\(\.\.\.\)"),
+    "grad_grad": _STACK.format("grad inside grad", r"grad\(grad\(\.\.\.\)\)"),
+    "vmap_grad": _STACK.format("grad inside vmap", r"vmap\(grad\(\.\.\.\)\)"),
+    "jvp_grad": _STACK.format("grad inside jvp", r"jvp\(grad\(\.\.\.\)\)"),
+    "jacrev_state": r"backward of funcshard\.traced_apply ran under vmap.*funcshard\.gather",
+    "create_graph": None, "grad_penalty": None,
+    "double_backward": r"traced_apply: a gradient taken with create_graph=True .*differentiated again.*funcshard\.gather",
+    "maml": r"traced_apply: a gradient taken with create_graph=True .*differentiated again",
+}
+
+
+def _traced_transforms():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+
+    W = dist.get_world_size()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    plan = funcshard.plan(m, init_device_mesh("cpu", (W,)))
+    state = funcshard.shard(plan)
+    full = {k: v.detach().clone() for k, v in m.named_parameters()}
+    x, v = torch.randn(5, 4), torch.randn(5, 4)
+    ones = {k: torch.ones_like(t) for k, t in state.items()}
+
+    def f(s, xx=x):
+        return funcshard.traced_apply(plan, s, xx).pow(2).sum()
+
+    def ref(p, xx=x):
+        return torch.func.functional_call(m, p, (xx,)).pow(2).sum()
+
+    def shards(grads):  # the reference's full gradients, sharded as the plan shards: each rank's rows
+        return funcshard.shard(plan, grads)
+
+    def autograd():
+        s = {k: t.detach().requires_grad_() for k, t in state.items()}
+        f(s).backward()
+        return {k: t.grad for k, t in s.items()}, shards(torch.func.grad(ref)(full))
+
+    def leaves():
+        return {k: t.detach().requires_grad_() for k, t in state.items()}
+
+    def first(s):  # the shard gradients, with create_graph=True
+        return torch.autograd.grad(f(s), list(s.values()), create_graph=True)
+
+    def double_backward():
+        s = leaves()
+        return torch.autograd.grad(sum(g.sum() for g in first(s)), list(s.values()))
+
+    def maml():  # one inner step, differentiated through
+        s = leaves()
+        f({k: t - 0.1 * g for (k, t), g in zip(s.items(), first(s))}).backward()
+
+    def grad_penalty():  # the input gradient's norm, differentiated by the state: first order through the gather
+        def penalty(fn, p):
+            xx = x.clone().requires_grad_()
+            (gx,) = torch.autograd.grad(fn(p, xx), xx, create_graph=True)
+            return gx.pow(2).sum()
+        s, p = leaves(), {k: t.detach().requires_grad_() for k, t in full.items()}
+        penalty(f, s).backward()
+        penalty(ref, p).backward()
+        return {k: t.grad for k, t in s.items()}, shards({k: t.grad for k, t in p.items()})
+
+    rows = {
+        "autograd": autograd,
+        "grad": lambda: (torch.func.grad(f)(state), shards(torch.func.grad(ref)(full))),
+        "vjp": lambda: (torch.func.vjp(f, state)[1](torch.tensor(1.0)), (shards(torch.func.grad(ref)(full)),)),
+        "jvp_inputs": lambda: (torch.func.jvp(lambda xx: f(state, xx), (x,), (v,)),
+                               torch.func.jvp(lambda xx: ref(full, xx), (x,), (v,))),
+        "vmap_inputs": lambda: (torch.func.vmap(lambda xx: f(state, xx))(torch.stack([x, v])),
+                                torch.func.vmap(lambda xx: ref(full, xx))(torch.stack([x, v]))),
+        "grad_inputs": lambda: (torch.func.grad(lambda xx: f(state, xx))(x),
+                                torch.func.grad(lambda xx: ref(full, xx))(x)),
+        "hessian_inputs": lambda: (torch.func.hessian(lambda xx: f(state, xx))(x),
+                                   torch.func.hessian(lambda xx: ref(full, xx))(x)),
+        "jvp_state": lambda: torch.func.jvp(f, (state,), (ones,)),
+        "vmap_state": lambda: torch.func.vmap(f)({k: torch.stack([t, 2 * t]) for k, t in state.items()}),
+        "grad_grad": lambda: torch.func.grad(lambda s: sum(g.sum() for g in torch.func.grad(f)(s).values()))(state),
+        "vmap_grad": lambda: torch.func.vmap(torch.func.grad(f))({k: torch.stack([t, t]) for k, t in state.items()}),
+        "jvp_grad": lambda: torch.func.jvp(torch.func.grad(f), (state,), (ones,)),
+        "jacrev_state": lambda: torch.func.jacrev(lambda s: funcshard.traced_apply(plan, s, x).sum(0))(state),
+        "create_graph": lambda: (first(leaves()), list(shards(torch.func.grad(ref)(full)).values())),
+        "grad_penalty": grad_penalty,
+        "double_backward": double_backward,  # a Hessian-vector product
+        "maml": maml,
+    }
+    out = {}
+    for name, row in rows.items():
+        try:
+            got, want = row()
+        except Exception as e:  # (every exception: the test reads which one, and its text)
+            out[name] = f"{type(e).__name__}: {e}"
+            continue
+        got, want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+        out[name] = len(got) == len(want) > 0 and all(torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+                                                       for a, b in zip(got, want))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_traced_apply_transforms_right_or_refused(world):
+    """Each row, at W=1 and W=2: the values of the unsharded reference (torch.func.functional_call), or a
+    NotImplementedError naming the transform stack and the way out. Before, at W=2: jvp of the state gave a zero
+    tangent, a grad of a grad zeros, vmap over stacked states another rank's rows (no error), vmap(grad) and
+    jvp(grad) torch's "does not have vmap support" / "must implement the jvp function", and a create_graph
+    backward first-order gradients whose derivatives missed the gather."""
+    from multirank import run_ranks
+
+    for r in run_ranks(world, _traced_transforms):
+        for name, want in _TRACED_ROWS.items():
+            got = r[name]
+            if want is None:
+                assert got is True, (world, name, got)
+            else:
+                assert isinstance(got, str) and got.startswith("NotImplementedError: ") and re.search(want, got), \
+                    (world, name, got)

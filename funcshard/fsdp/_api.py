@@ -113,6 +113,8 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
             return step.module_pre_forward(name, module, args, kwargs)
         return _cast_inputs(unit, args, kwargs)
     moved = None
+    if ctx.fwd_root is not None and ctx.step is not None and ctx.step.failed is not None:
+        ctx.fwd_root = ctx.fwd_module = None  # the forward that began the failed step raised: this one begins anew
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
         step = ctx.begin()  # (raises before the forward counts as begun: a retry starts afresh)
         ctx.fwd_root, ctx.fwd_module = unit, module
