@@ -383,7 +383,10 @@ def plan(
         prefetch: forward prefetch depth: while group k computes, the all-gathers of groups k+1..k+prefetch
             are in flight. 0 gathers each group when it is used.
         backward_prefetch: backward prefetch depth (default: ``prefetch``).
-        forward_prefetch_lists / backward_prefetch_lists: explicit prefetch lists, group name -> names.
+        forward_prefetch_lists: explicit forward prefetch lists, group name -> the names of the groups whose
+            all-gathers are issued when that group's forward starts (replaces the depth for that group).
+        backward_prefetch_lists: the same for backward: group name -> the groups gathered when its backward
+            starts.
         grad_divide_factor: divide the summed gradients by this (default: the mesh size, i.e. average).
         layout: ``"per_param"`` (default): every parameter is sharded on its own dim, each rank's shard a
             regular tensor (DTensor ``Shard(dim)``-compatible, what ``fully_shard`` and DCP checkpoints
