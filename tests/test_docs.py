@@ -251,3 +251,42 @@ def test_docstring_checker_catches_what_it_should():
         c: not an argument.
     ''') == {"a", "b", "rest"}
     assert documented("No sections.") == set()
+
+
+# ---- errors that point the way -------------------------------------------------------------------------------
+
+
+def _fullgraph_errors() -> list[str]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+
+    torch.manual_seed(0)
+    plan = funcshard.plan(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                          init_device_mesh("cpu", (dist.get_world_size(),)), groups=["1"])
+    state, x = funcshard.shard(plan), torch.randn(3, 4)
+    loss_fn = lambda s, x: funcshard.apply(plan, s, x).sum()  # noqa: E731
+    errors = []
+    for fn in (loss_fn, funcshard.value_and_grad(loss_fn)):
+        torch._dynamo.reset()
+        try:
+            torch.compile(fn, fullgraph=True, backend="eager")(state, x)
+        except Exception as e:  # (dynamo's Unsupported)
+            errors.append(str(e))
+        else:
+            errors.append("compiled without an error")
+    # the way out it names works: one graph
+    torch._dynamo.reset()
+    traced = lambda s, x: funcshard.traced_apply(plan, s, x).sum()  # noqa: E731
+    assert torch.allclose(torch.compile(traced, fullgraph=True, backend="eager")(state, x), loss_fn(state, x))
+    torch._dynamo.reset()
+    return errors
+
+
+def test_fullgraph_over_apply_names_traced_apply():
+    for error in run_ranks(1, _fullgraph_errors, timeout=240)[0]:
+        assert "torch.compiler.disable" in error, error
+        assert "funcshard.traced_apply(plan, state, ...) in place of funcshard.apply" in error, error
