@@ -37,6 +37,13 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``).
+
+    Args:
+        plan: from :func:`funcshard.plan`.
+        state: this rank's shards, keyed like ``plan.specs`` (:func:`funcshard.shard`'s result, or what an optimizer
+            made of it).
+        *args: the module's positional inputs (this rank's batch).
+        **kwargs: the module's keyword inputs.
     """
     step, args, kwargs = _enter(plan, state, args, kwargs)
     try:
