@@ -63,6 +63,9 @@ def test_readme_is_short_and_keeps_ci_command():
     test_cmd = next(line for line in ci.splitlines() if "pytest" in line).strip()
     assert test_cmd in readme, f"README.md lost CI's test command {test_cmd!r} (.ci/run): keep the two in sync"
     assert "python -m pip install -q torch==2.13.0 -e . && python -m funcshard.demo" in readme
+    broken = [t for t in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+              if "://" not in t and not (ROOT / t).exists()]
+    assert not broken, f"README.md links to files that do not exist: {broken}"
 
 
 # ---- runnable examples ---------------------------------------------------------------------------------------
