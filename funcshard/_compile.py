@@ -19,8 +19,9 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
-# What dynamo prints at each of these breaks, and, under ``torch.compile(..., fullgraph=True)``, in the error it raises
-# (torch's own hint there, "remove the torch.compiler.disable call", is not the way out): it names the fully traced mode.
+# What dynamo prints at each of these breaks, and, under ``torch.compile(..., fullgraph=True)``, in the error it
+# raises (torch's own hint there, "remove the torch.compiler.disable call", is not the way out): it names the fully
+# traced mode.
 REASON = (
     "funcshard's runtime (gathers, frees, hooks) runs eagerly: a deliberate graph break; torch.compile traces the code "
     "between its calls. For one graph (torch.compile(..., fullgraph=True)) call funcshard.traced_apply(plan, state, "

@@ -59,7 +59,8 @@ from funcshard._spec import ShardingError
 __all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
 
 CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "optimizer_state", "comm_buffers", "activations")
-"""The categories of a rank's memory the estimate reports (``Cost.peak``, ``Cost.max_by_category()``), in print order."""
+"""The categories of a rank's memory the estimate reports (``Cost.peak``, ``Cost.max_by_category()``), in print
+order."""
 
 
 # ---- hardware figures ------------------------------------------------------------------------------------
