@@ -39,9 +39,10 @@ from funcshard._spec import ShardingError
 
 __all__ = ["MODEL", "OPTIM", "async_save", "export_full", "import_full", "init_module", "init_state", "load", "save", "state_dict"]
 
-MODEL, OPTIM = "model", "optim"
-"""The two top-level keys of a checkpoint's state dict: ``MODEL`` holds the parameters (and buffers), ``OPTIM`` the
-optimizer state, as ``get_model_state_dict`` / ``get_optimizer_state_dict`` name them."""
+MODEL = "model"
+"""The checkpoint state dict's key of the parameters (and buffers): ``get_model_state_dict``'s part."""
+OPTIM = "optim"
+"""The checkpoint state dict's key of the optimizer state: ``get_optimizer_state_dict``'s part."""
 
 # funcshard.optim's per-parameter state -> torch.optim's names for it
 _TORCH_NAMES: dict[type, tuple[tuple[str, str], ...]] = {

@@ -49,8 +49,15 @@ def test_mkdocs_build_strict():
         assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
         for page in ("index.html", "getting-started/index.html", "api/funcshard/index.html"):
             assert (Path(site) / page).is_file(), page
-        api = (Path(site) / "api/funcshard/index.html").read_text()
-        assert 'id="funcshard.apply"' in api and 'id="funcshard.fully_shard"' in api
+        # every public name has its entry in the API reference (the page of its module)
+        missing = []
+        for modname in MODULES:
+            page = "funcshard" if modname == "funcshard" else modname.split(".")[1]
+            html = (Path(site) / "api" / page / "index.html").read_text()
+            missing += [f"{modname}.{n}" for n in importlib.import_module(modname).__all__
+                        if not inspect.ismodule(getattr(importlib.import_module(modname), n))
+                        and f'id="{modname}.{n}"' not in html]
+        assert not missing, f"public names without an entry in the API reference (docs/api/): {missing}"
 
 
 # ---- the README: short, and its test command is CI's ---------------------------------------------------------
