@@ -1,10 +1,12 @@
 """funcshard: fully sharded data parallel training for PyTorch, done the JAX way.
 
-    plan = funcshard.plan(model, mesh, groups=(Block,))      # specs, groups, schedule: frozen data
-    state = funcshard.shard(plan)                            # dict[str, Tensor] of this rank's shards
-    loss = lambda s, x, y: F.cross_entropy(funcshard.apply(plan, s, x), y)
-    loss_value, grads = funcshard.value_and_grad(loss)(state, x, y)   # sharded, averaged over ranks
-    # (torch.func.grad(loss)(state, x, y) works too, and composes with other torch.func transforms)
+```python
+plan = funcshard.plan(model, mesh, groups=(Block,))      # specs, groups, schedule: frozen data
+state = funcshard.shard(plan)                            # dict[str, Tensor] of this rank's shards
+loss = lambda s, x, y: F.cross_entropy(funcshard.apply(plan, s, x), y)
+loss_value, grads = funcshard.value_and_grad(loss)(state, x, y)   # sharded, averaged over ranks
+# (torch.func.grad(loss)(state, x, y) works too: one torch.func level; nested transforms are refused)
+```
 """
 
 from funcshard import checkpoint, cost, optim, trace

@@ -23,8 +23,9 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     groups' all-gathers are issued then, to overlap), freed after its forward when the plan says so, gathered
     again before its backward, and its gradient reduce-scattered as soon as it is complete.
 
-    Differentiable with respect to ``state`` under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` and
-    plain autograd (``loss.backward()`` with ``requires_grad`` shards). Gradients have the keys and local
+    Differentiable with respect to ``state`` under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``jvp`` and
+    plain autograd (``loss.backward()`` with ``requires_grad`` shards); one ``torch.func`` level at most (nested
+    transforms, ``vmap`` included, raise ``NotImplementedError``). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
     loss. ``state`` and the module's parameters are not modified.
@@ -36,7 +37,16 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     the buffers): use eval mode or ``track_running_stats=False`` there.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
-    runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``).
+    runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So
+    ``torch.compile(..., fullgraph=True)`` cannot trace it (dynamo's error carries the way out):
+    :func:`funcshard.traced_apply` is the fully traced mode, with the same arguments.
+
+    Args:
+        plan: from :func:`funcshard.plan`.
+        state: this rank's shards, keyed like ``plan.specs`` (:func:`funcshard.shard`'s result, or what an optimizer
+            made of it).
+        *args: the module's positional inputs (this rank's batch).
+        **kwargs: the module's keyword inputs.
     """
     step, args, kwargs = _enter(plan, state, args, kwargs)
     try:

@@ -19,7 +19,16 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
-REASON = "funcshard's runtime (gathers, frees, hooks) runs eagerly; torch.compile traces the code between its calls"
+# What dynamo prints at each of these breaks, and, under ``torch.compile(..., fullgraph=True)``, in the error it
+# raises (torch's own hint there, "remove the torch.compiler.disable call", is not the way out): it names the fully
+# traced mode.
+REASON = (
+    "funcshard's runtime (gathers, frees, hooks) runs eagerly: a deliberate graph break; torch.compile traces the code "
+    "between its calls. For one graph (torch.compile(..., fullgraph=True)) call funcshard.traced_apply(plan, state, "
+    "...) in place of funcshard.apply, the fully traced mode (e.g. funcshard.value_and_grad(torch.compile(loss_fn, "
+    "fullgraph=True)) with loss_fn calling traced_apply); fully_shard breaks at its hooks as FSDP2 does: compile each "
+    "block, or the model without fullgraph"
+)
 
 
 def runtime_boundary(fn: F) -> F:

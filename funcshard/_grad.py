@@ -27,6 +27,11 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     First-order only: the gradients carry no graph. Every tensor leaf of the differentiated arguments must be
     floating point or complex (as for ``torch.func.grad``); a leaf the value does not depend on gets zeros.
+
+    Args:
+        fn: ``fn(*args, **kwargs) -> scalar tensor`` (or ``(scalar, aux)`` with ``has_aux``).
+        argnums: which positional argument(s) to differentiate: an int, or a sequence of distinct ints.
+        has_aux: ``fn`` returns ``(scalar, aux)``; ``aux`` is returned with the value, detached.
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or not all(isinstance(n, int) for n in nums) or len(set(nums)) != len(nums):

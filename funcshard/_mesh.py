@@ -198,7 +198,12 @@ def device_of(mesh: DeviceMesh, api: str) -> torch.device:
 class _DataParallelMeshDims:
     """Which axes of a full SPMD mesh are data parallel, by name (torch 2.12+'s ``DataParallelMeshDims``, the same
     fields; torch's own is accepted too): ``shard`` (parameters are sharded over it), ``replicate`` (HSDP: replicated
-    over it, gradients all-reduced). The other axes are the model's own (tensor parallel)."""
+    over it, gradients all-reduced). The other axes are the model's own (tensor parallel).
+
+    Attributes:
+        shard: the name of the axis parameters are sharded over (funcshard takes one axis per role).
+        replicate: the name of the axis parameters are replicated over (HSDP); None: none.
+    """
 
     shard: str | tuple[str, ...] | None = None
     replicate: str | tuple[str, ...] | None = None
@@ -210,6 +215,9 @@ class _DataParallelMeshDims:
 
 # torch's own where it has one (2.12+: code written for FSDP2 passes it, and isinstance checks hold), else ours
 DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) or _DataParallelMeshDims
+"""Which axes of a full SPMD mesh are data parallel (``shard=``, ``replicate=``, by name): torch's own class where it
+has one (2.12+), on torch 2.11 funcshard's with the same fields. ``fully_shard(..., dp_mesh_dims=...)``,
+``funcshard.plan(..., dp_mesh_dims=...)``."""
 
 
 def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int]]:

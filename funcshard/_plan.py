@@ -66,13 +66,16 @@ class Group:
         comm: the group's collectives replaced (``funcshard.CommHook``: functional hooks, e.g. a quantized
             all-gather, or FSDP2 ``AllGather`` / ``ReduceScatter`` objects, what ``fully_shard``'s
             ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` set); None: ``torch.distributed``'s.
-        param_dtype / reduce_dtype / output_dtype / cast_forward_inputs: mixed precision (``MixedPrecisionPolicy``'s
-            fields, FSDP2's semantics): floating parameters are all-gathered and used in ``param_dtype``, their
-            gradients reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and handed back in the shards'
-            dtype; the group's modules get floating inputs cast to ``param_dtype`` and outputs to ``output_dtype``.
-        offload_to_cpu / pin_memory: CPU offload (``CPUOffloadPolicy``'s, FSDP2's semantics, ``_offload.py``): the
-            group's shards and gradients live on the host (pinned), copied to the device before the all-gather and
-            back after the reduce-scatter.
+        param_dtype: mixed precision (``MixedPrecisionPolicy``'s fields, FSDP2's semantics): floating parameters are
+            all-gathered and used in ``param_dtype`` (None: their own dtype).
+        reduce_dtype: the dtype gradients are reduce-scattered in (default ``param_dtype``); they are handed back in
+            the shards' dtype.
+        output_dtype: the dtype floating outputs of the group's modules are cast to (None: no cast).
+        cast_forward_inputs: cast floating inputs of the group's modules to ``param_dtype``.
+        offload_to_cpu: CPU offload (``CPUOffloadPolicy``'s, FSDP2's semantics, ``_offload.py``): the group's shards
+            and gradients live on the host, copied to the device before the all-gather and back after the
+            reduce-scatter.
+        pin_memory: the offloaded shards and gradients are in pinned host memory.
     """
 
     name: str
@@ -92,6 +95,7 @@ class Group:
 
     @property
     def is_root(self) -> bool:
+        """Whether this is the root group (the parameters no group policy picked; name ``""``)."""
         return self.name == ROOT
 
 
@@ -110,11 +114,14 @@ class Plan:
         groups: the gather groups in forward execution order; the root group comes first.
         forward_prefetch: how many groups ahead the forward all-gathers run (0: gather on use).
         backward_prefetch: how many groups ahead (in reverse order) the backward all-gathers run.
-        forward_prefetch_lists / backward_prefetch_lists: explicit per-group prefetch lists (group name ->
-            names of groups to gather when it starts); they replace the depth-based default for that group.
+        forward_prefetch_lists: explicit per-group forward prefetch lists (group name -> names of groups to gather
+            when its forward starts); they replace the depth-based default for that group.
+        backward_prefetch_lists: the same for backward.
         grad_divide_factor: gradients are reduce-scattered with a sum (and all-reduced over the replicate axis), then
             divided by this factor, once. Default: the data-parallel size (the mesh size: replicate * shard), so
             gradients are those of the global mean loss.
+        layout: ``"per_param"`` (each parameter sharded on its own dim) or ``"flat"`` (each group's parameters of one
+            dtype in one flat buffer split evenly over the ranks); see :func:`funcshard.plan`.
         timeout: seconds any one wait of a step may take before it raises ``CollectiveTimeout`` (None: the
             ``FUNCSHARD_TIMEOUT`` environment variable, else 300; 0 or inf: no bound of funcshard's own).
         check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
@@ -152,7 +159,12 @@ class Plan:
 
     # ---- derived facts -------------------------------------------------------------------------
     def derived(self, key: str, make: Callable[[Plan], Any]) -> Any:
-        """``make(self)``, computed once per plan object under ``key`` (the one per-plan cache)."""
+        """``make(self)``, computed once per plan object under ``key`` (the one per-plan cache).
+
+        Args:
+            key: the cache key (one per kind of derived fact).
+            make: computes the value from the plan, once.
+        """
         hit = self._derived.get(key)
         if hit is None:
             hit = self._derived[key] = make(self)
@@ -170,7 +182,11 @@ class Plan:
 
     def post_forward_world(self, group: Group) -> int | None:
         """``k`` when the group is kept sharded over ``k`` ranks after forward (int ``reshard_after_forward``), else
-        None."""
+        None.
+
+        Args:
+            group: one of this plan's groups.
+        """
         rsf = group.reshard_after_forward
         return None if isinstance(rsf, bool) else rsf
 
@@ -183,7 +199,11 @@ class Plan:
         return None if self.replicas == 1 else self.mesh.get_group(self.replicate_axis)
 
     def post_forward_group(self, k: int):
-        """``(process group, rank in it)`` of this rank's block of ``k`` ranks of the shard axis (``_mesh``)."""
+        """``(process group, rank in it)`` of this rank's block of ``k`` ranks of the shard axis (``_mesh``).
+
+        Args:
+            k: the block size (an int ``reshard_after_forward``).
+        """
         return post_forward_group(self.mesh, self.shard_axis, k)
 
     def axes_str(self) -> str:
@@ -202,10 +222,19 @@ class Plan:
         return float(self.mesh.size())
 
     def divide_factor_of(self, group: Group) -> float:
-        """The factor the group's summed gradients are divided by: its own, or the plan's."""
+        """The factor the group's summed gradients are divided by: its own, or the plan's.
+
+        Args:
+            group: one of this plan's groups.
+        """
         return self.divide_factor if group.grad_divide_factor is None else float(group.grad_divide_factor)
 
     def group(self, name: str) -> Group:
+        """The group named ``name`` (``""``: the root); a KeyError listing the plan's groups if none is.
+
+        Args:
+            name: the group's name (its first module's path).
+        """
         for g in self.groups:
             if g.name == name:
                 return g
@@ -217,7 +246,14 @@ class Plan:
         explicit list if it has one, else the next ``depth`` groups in the plan's order (backward: reversed).
         ``ran``: the order the groups' forwards actually ran in (backward: the order they finished in; backward
         prefetch follows its reverse, as FSDP2 records it), when it is known. The one rule the runtime and the
-        schedule both use."""
+        schedule both use.
+
+        Args:
+            name: the group that starts.
+            backward: the backward's prefetch (else the forward's).
+            ran: the order the groups' forwards ran in (backward: the order they finished in), when known; None: the
+                plan's order.
+        """
         cache = self.derived("prefetch_after", lambda _: {})
         key = (name, backward, ran)
         hit = cache.get(key)
@@ -243,28 +279,46 @@ class Plan:
 
     # ---- editing (returns new plans) ---------------------------------------------------------
     def replace(self, **changes: Any) -> Plan:
-        """A copy with some fields changed (``dataclasses.replace``), validated again."""
+        """A copy with some fields changed (``dataclasses.replace``), validated again.
+
+        Args:
+            **changes: fields of :class:`Plan` and their new values.
+        """
         new = dataclasses.replace(self, **changes)
         _check_schedule(new)
         return new
 
     def with_order(self, names: Sequence[str]) -> Plan:
         """A copy whose non-root groups run in this order (the root stays first): the default prefetch, forward
-        and backward, follows the plan's group order. Groups not named keep their order, after the named ones."""
+        and backward, follows the plan's group order. Groups not named keep their order, after the named ones.
+
+        Args:
+            names: non-root group names in the order their forwards run.
+        """
         for n in names:
             self.group(n)
         rest = [g for g in self.groups[1:] if g.name not in set(names)]
         return self.replace(groups=(self.groups[0], *(self.group(n) for n in names), *rest))
 
     def order_differs(self, names: Sequence[str]) -> bool:
-        """Whether groups that ran in the order ``names`` ran out of the plan's order."""
+        """Whether groups that ran in the order ``names`` ran out of the plan's order.
+
+        Args:
+            names: the groups in the order their forwards ran.
+        """
         seen = set(names)
         return [g.name for g in self.groups if g.name in seen] != list(names)
 
     def with_group(self, name: str, **changes: Any) -> Plan:
         """A copy where group ``name`` has some fields changed, e.g. ``reshard_after_forward=False``, or
         ``mp_policy=MixedPrecisionPolicy(...)`` for its four precision fields, ``offload_policy=CPUOffloadPolicy(...)``
-        for its offload fields."""
+        for its offload fields.
+
+        Args:
+            name: the group's name.
+            **changes: fields of :class:`Group` (``reshard_after_forward``, ``comm``, ...), or ``mp_policy=`` /
+                ``offload_policy=`` for its precision or offload fields.
+        """
         self.group(name)
         if "mp_policy" in changes:  # (None: no mixed precision, as in plan())
             policy = changes.pop("mp_policy")
@@ -383,7 +437,10 @@ def plan(
         prefetch: forward prefetch depth: while group k computes, the all-gathers of groups k+1..k+prefetch
             are in flight. 0 gathers each group when it is used.
         backward_prefetch: backward prefetch depth (default: ``prefetch``).
-        forward_prefetch_lists / backward_prefetch_lists: explicit prefetch lists, group name -> names.
+        forward_prefetch_lists: explicit forward prefetch lists, group name -> the names of the groups whose
+            all-gathers are issued when that group's forward starts (replaces the depth for that group).
+        backward_prefetch_lists: the same for backward: group name -> the groups gathered when its backward
+            starts.
         grad_divide_factor: divide the summed gradients by this (default: the mesh size, i.e. average).
         layout: ``"per_param"`` (default): every parameter is sharded on its own dim, each rank's shard a
             regular tensor (DTensor ``Shard(dim)``-compatible, what ``fully_shard`` and DCP checkpoints

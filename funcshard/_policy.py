@@ -30,10 +30,15 @@ __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "cast_fl
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """torch's fields and defaults (``torch.distributed.fsdp.MixedPrecisionPolicy``): ``param_dtype`` for the
-    all-gather and the forward and backward compute, ``reduce_dtype`` for the gradient reduce-scatter (default:
-    ``param_dtype``), ``output_dtype`` for forward outputs, ``cast_forward_inputs`` to cast floating forward inputs to
-    ``param_dtype``. Sharded parameters and their gradients keep the parameters' own dtype."""
+    """torch's fields and defaults (``torch.distributed.fsdp.MixedPrecisionPolicy``). Sharded parameters and their
+    gradients keep the parameters' own dtype.
+
+    Attributes:
+        param_dtype: the dtype of the all-gather and of the forward and backward compute (None: the parameters' own).
+        reduce_dtype: the dtype of the gradient reduce-scatter (None: ``param_dtype``).
+        output_dtype: the dtype floating forward outputs are cast to (None: no cast).
+        cast_forward_inputs: cast floating forward inputs to ``param_dtype``.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -49,7 +54,11 @@ class OffloadPolicy:
 @dataclasses.dataclass
 class CPUOffloadPolicy(OffloadPolicy):
     """Offload parameters, gradients and optimizer state to CPU (FSDP2's semantics; ``funcshard/_offload.py``):
-    sharded parameters and gradients on the host, pinned if ``pin_memory`` (needs an accelerator)."""
+    sharded parameters and gradients on the host, pinned if ``pin_memory`` (needs an accelerator).
+
+    Attributes:
+        pin_memory: keep the host copies in pinned memory (needs an accelerator; False on a CPU-only machine).
+    """
 
     pin_memory: bool = True
 

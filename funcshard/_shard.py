@@ -27,7 +27,14 @@ def _fail(plan: Plan, what: str, problems: list[str], fix: str) -> ShardingError
 
 def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "state", on_host=()) -> None:
     """Raise a :class:`ShardingError` naming every key of ``state`` that does not fit ``plan``. ``on_host``: keys
-    expected on the host besides the offloaded groups' (``optim.offload``'s state)."""
+    expected on the host besides the offloaded groups' (``optim.offload``'s state).
+
+    Args:
+        plan: from :func:`funcshard.plan`.
+        state: the dict to check: the keys, local shapes, dtypes and devices ``shard(plan)`` gives.
+        what: how the message names it (e.g. ``"grads"``).
+        on_host: keys expected on the host besides the offloaded groups' (``optim.offload``'s state).
+    """
     if not isinstance(state, Mapping):
         raise ShardingError(
             f"{what} must be a dict of local shards (what funcshard.shard returns), got {type(state).__name__}"
@@ -173,6 +180,10 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     Differentiable (autograd and torch.func): the gradient of a shard is the reduce-scatter (sum over
     ranks) of the full gradient, the transpose of the all-gather; nothing is averaged here. One all-gather
     per group and dtype.
+
+    Args:
+        plan: from :func:`funcshard.plan`.
+        state: this rank's shards.
     """
     check_state(plan, state)
     check_mesh(plan.mesh)

@@ -101,15 +101,18 @@ class ModelSharding:
     back, which the module sees as a DTensor again (``ShardSpec.present``).
 
     Attributes:
-        mesh / placements: the module's DTensor: the mesh it lives on (the TP mesh, or the full SPMD mesh with
-            ``Replicate()`` on the data-parallel axes) and its placements there.
-        shape / stride: its global shape and stride.
+        mesh: the module's DTensor's mesh (the TP mesh, or the full SPMD mesh with ``Replicate()`` on the
+            data-parallel axes).
+        placements: the DTensor's placements on ``mesh``.
+        shape: its global shape.
+        stride: its global stride.
         dp_axes: the axes of ``mesh`` that are data-parallel (an SPMD mesh; empty for a TP mesh): a gradient keeps
             its placements there (``Partial`` from a sharded batch is what the reduce-scatter sums), every other
             axis is redistributed to the parameter's own placements before the reduce-scatter (FSDP2's rule).
-        sharded_mesh / sharded_placements: the sharded parameter as a DTensor (what ``fully_shard`` registers and
-            checkpoints hold): the data-parallel axes and the model's, ``Shard(dim)`` (``_StridedShard`` where the
-            model shards the same dim on a later axis) on the shard axis.
+        sharded_mesh: the mesh of the sharded parameter as a DTensor (what ``fully_shard`` registers and checkpoints
+            hold): the data-parallel axes and the model's.
+        sharded_placements: its placements there: the model's, and ``Shard(dim)`` (``_StridedShard`` where the model
+            shards the same dim on a later axis) on the shard axis.
         offsets: where this rank's local tensor starts in the global one (per dim).
     """
 
@@ -125,7 +128,11 @@ class ModelSharding:
     def present(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's local tensor, gathered over the data-parallel axes) as the module's DTensor,
         differentiably: the gradient comes back as the local tensor of the gradient redistributed to the
-        parameter's placements on the model's axes (``_Present``)."""
+        parameter's placements on the model's axes (``_Present``).
+
+        Args:
+            local: this rank's local tensor, gathered over the data-parallel axes.
+        """
         if get_interpreter_stack():
             raise NotImplementedError(
                 "a model-sharded (tensor-parallel DTensor) parameter under a torch.func transform: torch's DTensor "
@@ -176,6 +183,9 @@ class ShardSpec:
         world: number of shards (the size of that mesh axis).
         requires_grad: whether the module's parameter requires grad.
         aliases: every path under which the parameter is reachable (tied parameters have several).
+        flat: its slot in the group's flat buffer (``layout="flat"``); None in the per-parameter layout.
+        model: the model's own sharding (a tensor-parallel DTensor, :class:`ModelSharding`): ``shape`` is then its
+            local shape; None for a plain parameter.
     """
 
     fqn: str
@@ -232,13 +242,20 @@ class ShardSpec:
         return math.prod(self.local_shape)
 
     def local_valid(self, rank: int) -> int:
-        """How many rows of rank ``rank``'s shard along ``dim`` are real data (the rest is padding)."""
+        """How many rows of rank ``rank``'s shard along ``dim`` are real data (the rest is padding).
+
+        Args:
+            rank: the rank's index on the shard axis.
+        """
         return max(0, min(self.chunk, self.size - rank * self.chunk))
 
     def split_view(self, padded: torch.Tensor) -> torch.Tensor:
         """View a padded full tensor as ``(W, *local_shape)`` (rank-major, the all-gather layout).
 
         The result is a strided view (no copy), with the rank index first; ``from_split`` is its inverse.
+
+        Args:
+            padded: the padded full tensor (``padded_shape``).
         """
         d = self.dim
         shp = list(self.padded_shape)
@@ -246,11 +263,20 @@ class ShardSpec:
         return padded.view(shp).movedim(d, 0)
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """The parameter as a view of its padded full tensor."""
+        """The parameter as a view of its padded full tensor.
+
+        Args:
+            padded: the padded full tensor (``padded_shape``).
+        """
         return unpad(padded, self.dim, self.size, self.padding, self.shape)
 
     def local_shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s padded shard of the full tensor, as a new contiguous tensor."""
+        """Rank ``rank``'s padded shard of the full tensor, as a new contiguous tensor.
+
+        Args:
+            full: the full (unsharded) parameter.
+            rank: the rank's index on the shard axis.
+        """
         if self.flat is not None:
             start, n = self.flat.piece(self.numel, self.world, rank)
             return full.reshape(-1)[start : start + n].clone()
@@ -262,7 +288,12 @@ class ShardSpec:
         return out
 
     def valid_part(self, local: torch.Tensor, rank: int) -> torch.Tensor:
-        """The real rows of rank ``rank``'s padded shard (a view): what DTensor's ``Shard(dim)`` holds there."""
+        """The real rows of rank ``rank``'s padded shard (a view): what DTensor's ``Shard(dim)`` holds there.
+
+        Args:
+            local: rank ``rank``'s padded shard.
+            rank: the rank's index on the shard axis.
+        """
         return valid_rows(local, self.dim, self.local_valid(rank))
 
     def dtensor(self, local: torch.Tensor, mesh, placements=None):
@@ -270,7 +301,13 @@ class ShardSpec:
         spec's ``axis`` of ``mesh`` (the shard axis ``_mesh.dp_axes`` chose when the spec was made) and replicated over
         the others (``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
         checkpoints present it. A 0-dim parameter (sharded as a 1-element vector): a replicated 0-dim DTensor over
-        ``local`` viewed as 0-dim (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed)."""
+        ``local`` viewed as 0-dim (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed).
+
+        Args:
+            local: this rank's shard (its valid part, as DTensor's ``Shard(dim)`` holds it).
+            mesh: the DeviceMesh of the DTensor.
+            placements: its placements (default: ``Shard(dim)`` on the shard axis, ``Replicate()`` on the others).
+        """
         from torch.distributed.tensor import DTensor, Replicate
 
         if self.model is not None:  # over the data-parallel and the model's axes (``ModelSharding.sharded_*``)
@@ -294,7 +331,11 @@ class ShardSpec:
         return self.shape if self.model is None else self.model.shape
 
     def present(self, full: torch.Tensor) -> torch.Tensor:
-        """A gathered parameter as the module uses it: itself, or the model's DTensor over it (``ModelSharding``)."""
+        """A gathered parameter as the module uses it: itself, or the model's DTensor over it (``ModelSharding``).
+
+        Args:
+            full: the gathered (local, for a model-sharded parameter) tensor.
+        """
         return full if self.model is None else self.model.present(full)
 
     def boxes(self, rank: int) -> list[Box]:
@@ -302,7 +343,11 @@ class ShardSpec:
 
         Per-parameter layout: one box, the rank's real rows (a 0-dim parameter: rank 0 holds it). Flat layout:
         the rank's run of the flattened parameter, split into row-major boxes. The layout-independent form of a
-        shard: a checkpoint written from either layout, at any world size, is read by any other."""
+        shard: a checkpoint written from either layout, at any world size, is read by any other.
+
+        Args:
+            rank: the rank's index on the shard axis.
+        """
         if self.flat is not None:
             start, n = self.flat.piece(self.numel, self.world, rank)
             shift = self.model.offsets if self.model is not None else (0,) * len(self.shape)
@@ -320,6 +365,7 @@ class ShardSpec:
         return [Box(tuple(offsets), tuple(sizes), dim=self.dim)]
 
     def describe(self) -> str:
+        """One line for ``print(plan)``: path, global shape, dtype, the sharded dim and axis, the local shape."""
         if self.model is not None:  # the model's own sharding first: what the data-parallel axes shard is its local
             m = self.model
             return (f"{self.fqn}: {m.shape} {_placements_str(m)}, its local "

@@ -40,7 +40,10 @@ from funcshard._spec import ShardingError
 
 __all__ = ["MODEL", "OPTIM", "async_save", "export_full", "import_full", "init_module", "init_state", "load", "save", "state_dict"]
 
-MODEL, OPTIM = "model", "optim"
+MODEL = "model"
+"""The checkpoint state dict's key of the parameters (and buffers): ``get_model_state_dict``'s part."""
+OPTIM = "optim"
+"""The checkpoint state dict's key of the optimizer state: ``get_optimizer_state_dict``'s part."""
 
 # funcshard.optim's per-parameter state -> torch.optim's names for it
 _TORCH_NAMES: dict[type, tuple[tuple[str, str], ...]] = {
@@ -138,6 +141,13 @@ def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     ``param_groups`` (``optim.adamw``/``optim.sgd`` know their torch hyperparameters), which torch's
     ``get_optimizer_state_dict`` asks for on load: required with ``opt_state`` (a ``TypeError`` without it); a
     ``tx`` that is not one of torch's optimizers writes none (such a checkpoint loads with :func:`load` only).
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        state: this rank's shards (``funcshard.shard(plan)``, or what training made of them).
+        opt_state: the optimizer state of ``state`` (``tx.init(state)`` and its updates), or None for parameters only.
+        tx: the optimizer (``optim.adamw`` / ``optim.sgd`` / a chain ending in one): it gives torch's ``param_groups``;
+            required with ``opt_state``.
     """
     return _state_dict(plan, state, opt_state, tx)
 
@@ -216,6 +226,16 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     written (a rename by rank 0), so a save interrupted half-way (a rank killed mid-write) leaves the previous
     checkpoint at ``checkpoint_id`` as it was; :func:`load` refuses an uncommitted directory. Waits for an
     :func:`async_save` still in flight first.
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        state: this rank's shards (``funcshard.shard(plan)``, or what training made of them).
+        opt_state: the optimizer state of ``state`` (``tx.init(state)`` and its updates), or None for parameters only.
+        checkpoint_id: the checkpoint directory (the same path on every rank: a shared file system).
+        tx: the optimizer (``optim.adamw`` / ``optim.sgd`` / a chain ending in one): it gives torch's ``param_groups``;
+            required with ``opt_state``.
+        **dcp_kwargs: passed to ``torch.distributed.checkpoint.save`` (default ``process_group``: the plan's mesh's
+            ranks).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -235,6 +255,14 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     :func:`save` writes of the same state, in either layout. At most one is in flight: a second ``async_save`` (or a
     ``save``) first waits for it. Memory: a copy of the rank's state and optimizer state, on their device, until
     the write ends.
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        state: this rank's shards (``funcshard.shard(plan)``, or what training made of them).
+        opt_state: the optimizer state of ``state`` (``tx.init(state)`` and its updates), or None for parameters only.
+        checkpoint_id: the checkpoint directory, as for :func:`save`.
+        tx: the optimizer (``optim.adamw`` / ``optim.sgd`` / a chain ending in one): it gives torch's ``param_groups``;
+            required with ``opt_state``.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -292,6 +320,15 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     against the plan first (keys, shapes and dtypes of every parameter and moment: a ``ShardingError`` listing
     every mismatch); nothing passed in is modified (the module's buffers are loaded in place, after the check). A
     directory whose save did not commit (``<path>.saving``, or one without DCP's ``.metadata``) is refused.
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        checkpoint_id: the checkpoint directory (committed: written by :func:`save`, :func:`async_save` or FSDP2).
+        opt_state: a template of the optimizer state (``tx.init(state)``): its structure is filled from the checkpoint;
+            None: parameters only.
+        state: a template of the shards whose tensor classes the loaded shards take (not modified); None: the planned
+            module's parameters'.
+        **dcp_kwargs: passed to ``torch.distributed.checkpoint.load``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -463,6 +500,12 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     interrupted leaves the previous file as it was. Dtypes safetensors cannot name are refused on every rank before
     the first collective; should the writing rank fail later (the disk, the callable), it keeps taking part in the
     all-gathers and every rank raises at the end (the others a ``ShardingError`` carrying its error).
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        state: this rank's shards (``funcshard.shard(plan)``, or what training made of them).
+        to: a ``.safetensors`` path, or a callable ``fn(name, tensor)`` called on the writing rank.
+        rank: the writing rank's index on the shard axis (of the first replica on an HSDP mesh).
     """
     import os
 
@@ -566,7 +609,12 @@ def import_full(plan: Plan, path: str) -> dict[str, torch.Tensor]:
     state plus one parameter's local piece, never a full tensor. A parameter is found under any of its names (tied
     ones under either); shapes and dtypes are checked first (a ``ShardingError`` listing every mismatch, nothing
     loaded). The module's buffers found in the file are loaded into it. A tensor-subclass parameter's shards are
-    made of its class (as :func:`load` does)."""
+    made of its class (as :func:`load` does).
+
+    Args:
+        plan: the :class:`funcshard.Plan` the state was sharded by.
+        path: the ``.safetensors`` file (the same path on every rank).
+    """
     _not_model_sharded(plan, "import_full")
     reader = Reader(path)
     try:
@@ -629,6 +677,14 @@ def init_state(plan: Plan, init: Callable[[torch.nn.Module], None] | None = None
     ``seed``, the caller's RNG is left untouched. Meta buffers become zeros on the mesh's device unless the init sets
     them (compute non-persistent tables, e.g. RoPE's, in your init). A tensor-subclass parameter's shards are made of
     its class (as :func:`load` does).
+
+    Args:
+        plan: a plan of the model (its module may be on the meta device).
+        init: ``init(module)`` initialises that module's own parameters; None: ``module.reset_parameters()`` where
+            defined.
+        seed: seeds the RNG for the loop (the caller's RNG untouched); None: the global RNG as it is, checked equal on
+            every rank.
+        order: ``"modules"``: ``model.modules()``'s order; ``"apply"``: ``model.apply``'s, children first.
     """
     from funcshard._checkpoint_init import check_default_init, gather_one, modules_in_order, rng, run
 
@@ -662,7 +718,14 @@ def init_module(module: torch.nn.Module, init: Callable[[torch.nn.Module], None]
     """:func:`init_state` for a module whose parameters are DTensors (``funcshard.fully_shard`` or torch's
     ``fully_shard`` applied on the meta device, then ``module.to_empty(device=...)``): each DTensor parameter's local
     shard is set, in place, to its piece of the full parameter the reference loop (see :func:`init_state`) gives;
-    one module's full parameters exist at a time. Plain parameters are initialised in place by the same calls."""
+    one module's full parameters exist at a time. Plain parameters are initialised in place by the same calls.
+
+    Args:
+        module: a model whose parameters are DTensors (``fully_shard`` on the meta device, then ``to_empty``).
+        init: as for :func:`init_state`.
+        seed: as for :func:`init_state`.
+        order: as for :func:`init_state`.
+    """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from funcshard._checkpoint_init import check_default_init, modules_in_order, rng, run

@@ -59,6 +59,8 @@ from funcshard._spec import ShardingError, takes_grad
 __all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
 
 CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "optimizer_state", "comm_buffers", "activations")
+"""The categories of a rank's memory the estimate reports (``Cost.peak``, ``Cost.max_by_category()``), in print
+order."""
 
 
 # ---- hardware figures ------------------------------------------------------------------------------------
@@ -87,11 +89,22 @@ class Hardware:
     def collective_s(self, c: Collective, nbytes: int | None = None) -> float:
         """One collective over ``c.world`` ranks, ring algorithms: an all-gather or reduce-scatter sends
         ``(W - 1) / W`` of the unsharded buffer, an all-reduce (HSDP, over the replicate axis) twice that. ``nbytes``:
-        the bytes a group's comm hook moves instead of the buffer's (``_comm.wire_nbytes``)."""
+        the bytes a group's comm hook moves instead of the buffer's (``_comm.wire_nbytes``).
+
+        Args:
+            c: the collective (kind, ranks, bytes of its unsharded buffer), as the schedule lists it.
+            nbytes: the bytes a comm hook moves instead of the buffer's; None: the buffer's.
+        """
         sent = (c.nbytes if nbytes is None else nbytes) * (c.world - 1) / c.world * (2 if c.kind == ALL_REDUCE else 1)
         return self.latency_s + sent / self.link_bytes_per_s
 
     def stretch_s(self, s: Stretch) -> float:
+        """Seconds of the ops between two marks of a traced step: a roofline per op (FLOPs at ``flops_per_s`` or bytes
+        at ``memory_bytes_per_s``, the slower) plus ``op_overhead_s`` per op.
+
+        Args:
+            s: the ops of one stretch of the traced step (their FLOPs and bytes).
+        """
         return s.seconds(self.flops_per_s, self.memory_bytes_per_s) + len(s.flops) * self.op_overhead_s
 
 
@@ -112,7 +125,14 @@ def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | No
     group, all-gathers of 4 KiB and 16 MiB per rank (latency, link bytes/s; every rank must call it then). Run it
     where the training runs (same device, same ``torch.set_num_threads``). ``group_overhead_s`` is left 0: pass
     a measured one with ``dataclasses.replace``. ``quick``: operands an eighth to a sixteenth as large, three
-    repeats: rougher figures in a fraction of the time (the notebooks use it)."""
+    repeats: rougher figures in a fraction of the time (the notebooks use it).
+
+    Args:
+        mesh: the mesh the training runs on: its device, and with several ranks on a real process group the link figures
+            (every rank calls it then); None: this process only.
+        device: the device to measure (default: the mesh's, or the CPU).
+        quick: smaller operands, three repeats: rougher figures, faster.
+    """
     dev = torch.device(device) if device is not None else (
         torch.device("cpu") if mesh is None or mesh.device_type == "cpu" else torch.device(mesh.device_type,
                                                                                          torch.cuda.current_device()))
@@ -156,7 +176,12 @@ def calibrate(mesh: DeviceMesh | None = None, *, device: str | torch.device | No
 def fake_mesh(world: int, device_type: str = "cpu") -> DeviceMesh:
     """A 1-D mesh of ``world`` ranks over torch's fake process group (``backend="fake"``: collectives do nothing),
     in this process: plan for a target world size without its ranks. Initializes the default process group if
-    there is none; a fake one of another size is replaced; a real one raises."""
+    there is none; a fake one of another size is replaced; a real one raises.
+
+    Args:
+        world: the number of ranks to plan for.
+        device_type: the mesh's device type (planning reads it; nothing runs there).
+    """
     if dist.is_initialized():
         if dist.get_backend() != "fake":
             raise RuntimeError(
@@ -587,7 +612,18 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only).
     ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
     and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
-    prefetch, resharding and layout are the replay's alone)."""
+    prefetch, resharding and layout are the replay's alone).
+
+    Args:
+        plan: the plan to cost (a mesh of any world size: a real one, or :func:`fake_mesh`'s).
+        *args: one rank's positional inputs to the module, real or meta tensors (only shapes and dtypes are read).
+        loss: ``out -> scalar tensor``; default ``out.float().sum()`` for a tensor output.
+        optimizer: a ``funcshard.optim`` GradientTransformation whose update is costed; None: no optimizer.
+        donate: cost the update as ``update(..., donate=True)`` and ``apply_updates(..., donate=True)``.
+        hardware: the time model's figures (:class:`Hardware`, :func:`calibrate`); None: memory and collectives only.
+        profiles: a dict that keeps traced steps across calls on plans of the same module, inputs and loss.
+        **kwargs: one rank's keyword inputs to the module.
+    """
     if loss is None:
         def loss(out):
             if not isinstance(out, torch.Tensor):
@@ -632,7 +668,25 @@ def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | N
     """Every combination of the given plan choices (``funcshard.plan``'s arguments of those names), estimated;
     those whose peak fits ``budget`` bytes (None: all), fastest first (least memory first without ``hardware``).
     One traced step per grouping and precision serves all the prefetch and reshard choices (``profiles``: a dict
-    keeping them for another sweep or estimate of the same module, inputs and loss, see :func:`estimate`)."""
+    keeping them for another sweep or estimate of the same module, inputs and loss, see :func:`estimate`).
+
+    Args:
+        module: the model (on the meta device is enough).
+        mesh: the mesh to plan over (e.g. :func:`fake_mesh`).
+        *args: one rank's positional inputs, as for :func:`estimate`.
+        budget: the peak bytes per rank a plan must fit; None: keep every plan.
+        groups: the ``groups`` choices of ``funcshard.plan`` to try.
+        prefetch: the prefetch depths to try.
+        reshard_after_forward: the ``reshard_after_forward`` choices to try.
+        mp_policy: the mixed-precision policies to try (None: none).
+        layout: the layouts to try.
+        loss: as for :func:`estimate`.
+        optimizer: as for :func:`estimate`.
+        donate: as for :func:`estimate`.
+        hardware: as for :func:`estimate`; with it the result is ordered by step time, else by peak memory.
+        profiles: as for :func:`estimate`.
+        **kwargs: one rank's keyword inputs to the module.
+    """
     from funcshard._plan import plan as make_plan
 
     profiles = {} if profiles is None else profiles

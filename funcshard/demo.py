@@ -110,6 +110,7 @@ def train(args) -> None:
               f"{args.steps} steps of {args.batch * world}x{args.seq} tokens")
         print("\n".join(str(plan).splitlines()[:1]))
     tokens = 0
+    every = max(1, args.steps // 8)
     t0 = time.perf_counter()
     first = None
     for i, (x, y) in enumerate(batches(args.seq, args.batch, rank, world, args.steps, device), 1):
@@ -120,12 +121,9 @@ def train(args) -> None:
         mean_loss = funcshard.all_reduce(loss.detach()) / world
         first = first if first is not None else mean_loss.item()
         tokens += x.numel() * world
-        if rank == 0:
+        if rank == 0 and (i % every == 0 or i == args.steps):  # a log line, not a bar: readable in any log
             rate = tokens / (time.perf_counter() - t0)
-            bar = "#" * (30 * i // args.steps)
-            end = "\n" if i == args.steps else ""
-            print(f"\r[{bar:<30}] step {i:>3}/{args.steps} loss {mean_loss.item():.3f} {rate:,.0f} tok/s",
-                  end=end, flush=True)
+            print(f"step {i:>3}/{args.steps} loss {mean_loss.item():.3f} {rate:,.0f} tok/s", flush=True)
     last = mean_loss.item()
     shard_bytes = sum(t.numel() * t.element_size() for t in state.values())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

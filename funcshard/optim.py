@@ -133,7 +133,9 @@ __all__ = [
 
 PyTree = Any
 Schedule = Callable[[int], Union[float, torch.Tensor]]
+"""A learning-rate schedule: ``count -> value``, called with the number of updates so far (0 first)."""
 ScalarOrSchedule = Union[float, Schedule]
+"""A constant (float) or a :data:`Schedule`."""
 
 
 class GradientTransformation(NamedTuple):
@@ -141,6 +143,11 @@ class GradientTransformation(NamedTuple):
 
     ``init(params) -> opt_state``;
     ``update(updates, opt_state, params=None, **extra) -> (updates, opt_state)``.
+
+    Attributes:
+        init: ``params -> opt_state``: the state for a pytree of parameters (sharded like them).
+        update: ``(updates, opt_state, params=None, **extra) -> (updates, opt_state)``: transform the gradients (or
+            updates) into updates; ``extra`` may carry ``donate=True``.
     """
 
     init: Callable[[PyTree], Any]
@@ -155,6 +162,10 @@ class TorchOptimizer(GradientTransformation):
       torch's multi-tensor (``foreach``) op order, bit for bit (what :func:`step` runs);
     * ``torch_param_group(count) -> dict``: torch's ``param_groups`` entry for it after ``count`` updates (what a
       torch optimizer's state dict holds; ``funcshard.checkpoint`` writes it).
+
+    Attributes:
+        init: as :class:`GradientTransformation`'s.
+        update: as :class:`GradientTransformation`'s.
     """
 
     # (instances carry the two attributes above: a NamedTuple subclass without __slots__ has a __dict__)
@@ -169,7 +180,11 @@ class ScaleState(NamedTuple):
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: ``count`` = updates applied so far."""
+    """State of :func:`scale_by_schedule`.
+
+    Attributes:
+        count: updates applied so far (0 before the first).
+    """
 
     count: int
 
@@ -177,8 +192,10 @@ class ScaleByScheduleState(NamedTuple):
 class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam`.
 
-    ``count``: steps taken (torch's ``state["step"]``); ``mu``/``nu``: first and
-    second moments (torch's ``exp_avg``/``exp_avg_sq``), pytrees like the params.
+    Attributes:
+        count: steps taken (torch's ``state['step']``).
+        mu: first moments (torch's ``exp_avg``), a pytree like the params.
+        nu: second moments (torch's ``exp_avg_sq``), a pytree like the params.
     """
 
     count: int
@@ -191,8 +208,12 @@ class AddDecayedWeightsState(NamedTuple):
 
 
 class TraceState(NamedTuple):
-    """State of :func:`trace`: ``count`` = steps taken, ``trace`` = momentum
-    buffers (torch's ``momentum_buffer``), a pytree like the params."""
+    """State of :func:`trace`.
+
+    Attributes:
+        count: steps taken.
+        trace: the momentum buffers (torch's ``momentum_buffer``), a pytree like the params.
+    """
 
     count: int
     trace: PyTree
@@ -416,7 +437,11 @@ def _scale_leaves(updates: PyTree, factor: float | torch.Tensor, donate: bool = 
 
 
 def scale(step_size: float) -> GradientTransformation:
-    """Multiply updates by a constant ``step_size`` (state :class:`ScaleState`)."""
+    """Multiply updates by a constant ``step_size`` (state :class:`ScaleState`).
+
+    Args:
+        step_size: the constant factor.
+    """
 
     def init_fn(params: PyTree) -> ScaleState:
         del params
@@ -433,6 +458,9 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     """Multiply updates by ``step_size_fn(count)``; ``count`` = updates so far (0 first).
 
     State :class:`ScaleByScheduleState`.
+
+    Args:
+        step_size_fn: ``count -> factor``, a float or a 0-dim tensor.
     """
     if not callable(step_size_fn):
         raise TypeError(f"scale_by_schedule: step_size_fn must be callable, got {type(step_size_fn).__name__}.")
@@ -458,6 +486,10 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     A float gives :func:`scale` (state :class:`ScaleState`); a callable
     ``schedule(count)`` gives :func:`scale_by_schedule` (state
     :class:`ScaleByScheduleState`), called with 0 for the first update.
+
+    Args:
+        learning_rate: a float, or a schedule ``count -> lr``.
+        flip_sign: multiply by ``-lr`` (True, a descent step) or ``+lr``.
     """
     _check_lr("scale_by_learning_rate", learning_rate)
     sign = -1.0 if flip_sign else 1.0
@@ -474,6 +506,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     and ``count`` the step number (1 on the first update), as in
     ``torch.optim.Adam``. State :class:`ScaleByAdamState`; ``mu``/``nu`` have the
     params' structure, shapes and dtypes.
+
+    Args:
+        b1: the first moment's decay (torch's ``betas[0]``).
+        b2: the second moment's decay (torch's ``betas[1]``).
+        eps: added to ``sqrt(v_hat)`` in the denominator.
     """
     where = "scale_by_adam"
     if not 0.0 <= b1 < 1.0:
@@ -553,6 +590,9 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     penalty (``g += wd * p``); placed after the direction and before
     :func:`scale_by_learning_rate` it is AdamW's decoupled decay
     (``p -= lr * wd * p``).
+
+    Args:
+        weight_decay: the factor of ``params`` added to the updates (0: nothing added).
     """
     where = "add_decayed_weights"
     _check_nonneg("weight_decay", weight_decay, where)
@@ -593,6 +633,11 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
     gradient, undamped); later ``buf = decay * buf + (1 - dampening) * g``.
     Output ``g + decay * buf`` if ``nesterov`` else ``buf``. State
     :class:`TraceState`; ``trace`` has the params' structure and shapes.
+
+    Args:
+        decay: the momentum (torch's ``momentum``).
+        dampening: torch's ``dampening``: ``(1 - dampening) * g`` enters the buffer after the first step.
+        nesterov: Nesterov momentum: the output is ``g + decay * buf``.
     """
     where = "trace"
     _check_nonneg("momentum", decay, where)
@@ -667,6 +712,11 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
     ``ProcessGroup``, or ``None``: the default group when
     ``torch.distributed.is_initialized()`` (checked at update time), else no
     reduction. State :class:`ClipByGlobalNormState` (empty).
+
+    Args:
+        max_norm: the largest global L2 norm the updates keep (>= 0).
+        mesh: what the sum of squares is all-reduced over: a ``DeviceMesh`` (its last axis), a ``ProcessGroup``, or None
+            (the default group when one is initialised, else no reduction).
     """
     where = "clip_by_global_norm"
     _check_nonneg("max_norm", max_norm, where)
@@ -716,7 +766,11 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Compose transformations left to right; state is a tuple of their states."""
+    """Compose transformations left to right; state is a tuple of their states.
+
+    Args:
+        *transforms: the :class:`GradientTransformation`s, applied left to right.
+    """
     for i, t in enumerate(transforms):
         if not (hasattr(t, "init") and hasattr(t, "update")):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation.")
@@ -796,6 +850,13 @@ def sgd(
     ``weight_decay != 0``), torch-style momentum buffer (first step ``buf = g``),
     ``dampening``, ``nesterov``. Without momentum no buffer is kept (the chain
     has two states instead of three).
+
+    Args:
+        lr: the learning rate, a float or a schedule ``count -> lr``.
+        momentum: torch's ``momentum`` (0: no buffer).
+        dampening: torch's ``dampening``.
+        weight_decay: coupled L2 decay ``g += wd * p`` (needs ``params`` in ``update``).
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
     """
     _check_lr("sgd", lr)
     parts = [add_decayed_weights(weight_decay)]
@@ -877,6 +938,12 @@ def adamw(
     ``p *= 1 - lr * wd`` on the pre-step param value followed by the Adam step
     with the same ``lr``. Needs ``params`` in ``update`` when
     ``weight_decay != 0``. ``amsgrad`` is not supported.
+
+    Args:
+        lr: the learning rate, a float or a schedule ``count -> lr``.
+        betas: ``(b1, b2)``: the moments' decays.
+        eps: added to ``sqrt(v_hat)``.
+        weight_decay: decoupled decay: ``p *= 1 - lr * weight_decay`` (needs ``params`` in ``update``).
     """
     _check_lr("adamw", lr)
     b1, b2 = betas
@@ -961,6 +1028,13 @@ def step(tx: GradientTransformation, grads: PyTree, opt_state: Any, params: PyTr
     ``torch.optim`` and ``funcshard.optim`` without a difference. Otherwise
     ``apply_updates(params, tx.update(grads, opt_state, params)[0])``. ``donate=True``: ``params``, ``opt_state``
     and ``grads`` are reused in place.
+
+    Args:
+        tx: the optimizer.
+        grads: the gradients, a pytree like ``params``.
+        opt_state: ``tx``'s state.
+        params: the parameters.
+        donate: reuse ``params``, ``opt_state`` and ``grads`` in place.
     """
     exact = getattr(tx, "exact", None)
     if exact is not None:
@@ -978,6 +1052,11 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
     Updates are cast to each param's dtype. Runs under ``torch.no_grad()``: the
     results do not require grad. ``donate=True`` (JAX's buffer donation): the
     caller gives up ``params``, which are updated in place and returned.
+
+    Args:
+        params: the parameters (a pytree of tensors, e.g. the sharded ``state``).
+        updates: a pytree of the same structure and shapes (what ``update`` returned).
+        donate: update ``params`` in place and return them (the caller gives them up).
     """
     where = "apply_updates"
     p, spec = tree_flatten(params)
@@ -1014,7 +1093,12 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
 
 class OffloadState(NamedTuple):
     """:func:`offload`'s state: the inner optimizer's state of each group of parameters, on the host (``pinned``: in
-    pinned memory, which ``funcshard.checkpoint.load`` keeps)."""
+    pinned memory, which ``funcshard.checkpoint.load`` keeps).
+
+    Attributes:
+        groups: group name -> the inner optimizer's state of that group's parameters, on the host.
+        pinned: whether that state is in pinned host memory.
+    """
 
     groups: dict
     pinned: bool = False
@@ -1043,6 +1127,12 @@ def offload(tx: GradientTransformation, groups: Any, *, pin_memory: bool = True)
     as ``tx`` bit for bit (element-wise ops, grouped or not); :func:`step` stays torch's step bit for bit. On a CPU
     mesh the host is the device: nothing is copied. ``funcshard.checkpoint`` saves this state as it saves ``tx``'s
     (the same keys: the checkpoints load into either) and loads it back on the host, pinned as it was.
+
+    Args:
+        tx: the optimizer to run on the device, parameter by parameter (``sgd``, ``adamw``, chains of them).
+        groups: a :class:`funcshard.Plan` (its groups' parameters), or a sequence of sequences of keys of the params
+            dict; every parameter in exactly one.
+        pin_memory: keep the host state in pinned memory (needs an accelerator).
     """
     where = "optim.offload"
     if not (hasattr(tx, "init") and hasattr(tx, "update")):

@@ -39,7 +39,11 @@ __all__ = ["Event", "Trace", "complement", "intersect", "length", "trace", "unio
 
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Merge ``(start, end)`` intervals into disjoint sorted ones."""
+    """Merge ``(start, end)`` intervals into disjoint sorted ones.
+
+    Args:
+        intervals: ``(start, end)`` pairs, in any order, overlapping or not.
+    """
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -50,11 +54,21 @@ def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def length(intervals: Iterable[tuple[float, float]]) -> float:
+    """The total length of disjoint ``(start, end)`` intervals.
+
+    Args:
+        intervals: disjoint ``(start, end)`` pairs (e.g. :func:`union`'s result).
+    """
     return sum(b - a for a, b in intervals)
 
 
 def intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intersection of two disjoint sorted interval lists."""
+    """Intersection of two disjoint sorted interval lists.
+
+    Args:
+        xs: disjoint sorted ``(start, end)`` pairs.
+        ys: disjoint sorted ``(start, end)`` pairs.
+    """
     out, i, j = [], 0, 0
     while i < len(xs) and j < len(ys):
         a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
@@ -68,7 +82,13 @@ def intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> l
 
 
 def complement(intervals: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
-    """``[start, end]`` minus disjoint sorted ``intervals``."""
+    """``[start, end]`` minus disjoint sorted ``intervals``.
+
+    Args:
+        intervals: disjoint sorted ``(start, end)`` pairs.
+        start: where the span starts.
+        end: where the span ends.
+    """
     out, at = [], start
     for a, b in intervals:
         if a > at:
@@ -84,7 +104,15 @@ def complement(intervals: list[tuple[float, float]], start: float, end: float) -
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One runtime event: seconds since the trace started, what happened, to which group, bytes involved."""
+    """One runtime event: seconds since the trace started, what happened, to which group, bytes involved.
+
+    Attributes:
+        t: seconds since the trace started.
+        what: the event: ``"all-gather issued"``, ``"all-gather wait"``, ``"gathered"``, ``"freed"``,
+            ``"reduce-scatter issued"``, ``"reduce-scatter wait"`` or ``"reduce-scatter done"``.
+        group: the group's name (``""``: the root).
+        nbytes: the bytes the event concerns (buffers gathered, freed or in flight; 0 where none).
+    """
 
     t: float
     what: str
@@ -97,7 +125,12 @@ def _nbytes(tensors) -> int:
 
 
 class Trace:
-    """The events of one ``with trace(...)`` block on this rank (see the module docstring)."""
+    """The events of one ``with trace(...)`` block on this rank (see the module docstring).
+
+    Args:
+        path: where the Chrome trace is written on exit (``{rank}`` replaced by the rank); None: kept in memory
+            (:meth:`save` writes it).
+    """
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = path
@@ -209,7 +242,11 @@ class Trace:
                 "otherData": {"funcshard": "funcshard.trace", "rank": pid}}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write :meth:`chrome` as JSON (gzip-compressed when ``path`` ends in ``.gz``)."""
+        """Write :meth:`chrome` as JSON (gzip-compressed when ``path`` ends in ``.gz``).
+
+        Args:
+            path: the file to write (``.gz``: gzip-compressed); its folder is made if missing.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = json.dumps(self.chrome()).encode()
@@ -223,5 +260,10 @@ class Trace:
 
 def trace(path: str | os.PathLike | None = None) -> Trace:
     """A context manager recording this rank's runtime events; on exit writes the Chrome trace to ``path`` (its
-    ``{rank}`` replaced by the rank; None: keep it in memory, ``Trace.save`` later)."""
+    ``{rank}`` replaced by the rank; None: keep it in memory, ``Trace.save`` later).
+
+    Args:
+        path: where to write the Chrome trace on exit (``{rank}`` replaced by the rank, ``.gz`` compressed); None: keep
+            it in memory.
+    """
     return Trace(path)

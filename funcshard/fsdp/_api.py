@@ -227,7 +227,11 @@ class FSDPModule:
     @_no_inference_tensors
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters and register them unsharded (not recursive). With
-        ``async_op=True``, return a handle to wait on; the module's next forward waits for it anyway."""
+        ``async_op=True``, return a handle to wait on; the module's next forward waits for it anyway.
+
+        Args:
+            async_op: return a handle instead of waiting.
+        """
         unit = unit_of(self)
         ctx = ctx_of(unit)
         busy = ctx.fwd_root is not None or (ctx.step is not None and ctx.step.backward_started)
@@ -264,35 +268,68 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients without reduce-scatter (FSDP1's ``no_sync``);
-        the next backward with True reduce-scatters the sum."""
+        the next backward with True reduce-scatters the sum.
+
+        Args:
+            requires_gradient_sync: reduce-scatter the gradients in backward.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         self._set(recurse, sync=bool(requires_gradient_sync))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """The plan's ``Group.reshard_after_forward``, from the next iteration on."""
+        """The plan's ``Group.reshard_after_forward``, from the next iteration on.
+
+        Args:
+            reshard_after_forward: free the unsharded parameters after forward.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         self._set(recurse, reshard_after_forward=reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep the parameters gathered after backward; the next forward uses them without an
-        all-gather (gradient accumulation)."""
+        all-gather (gradient accumulation).
+
+        Args:
+            reshard_after_backward: free the unsharded parameters after backward.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         self._set(recurse, reshard_after_backward=bool(reshard_after_backward))
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """True: parameters without a gradient on this rank still get the reduced gradient."""
+        """True: parameters without a gradient on this rank still get the reduced gradient.
+
+        Args:
+            reduce_scatter_unused_params: reduce-scatter parameters this rank computed no gradient for (as zeros).
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         self._set(recurse, reduce_unused=bool(reduce_scatter_unused_params))
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """False: no all-gather for this module's backward (it must read no parameters, e.g. an embedding)."""
+        """False: no all-gather for this module's backward (it must read no parameters, e.g. an embedding).
+
+        Args:
+            unshard_in_backward: all-gather the parameters for this module's backward.
+        """
         self._set(False, unshard_in_backward=bool(unshard_in_backward))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's reduce-scattered (summed) gradients by ``factor`` instead of the mesh size."""
+        """Divide this module's reduce-scattered (summed) gradients by ``factor`` instead of the mesh size.
+
+        Args:
+            factor: the divisor (> 0) of the summed gradients.
+        """
         if not factor > 0:
             raise ValueError(f"the gradient divide factor must be > 0, got {factor}")
         self._set(False, divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # deprecated in FSDP2
+        """FSDP2's deprecated name of :meth:`set_gradient_divide_factor`.
+
+        Args:
+            factor: the divisor (> 0) of the summed gradients.
+        """
         self.set_gradient_divide_factor(factor)
 
     def _set_prefetch(self, kind: str, modules: list) -> None:
@@ -303,38 +340,73 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters when this module's forward starts (the plan's
-        ``forward_prefetch_lists``; replaces the depth-1 default for this module)."""
+        ``forward_prefetch_lists``; replaces the depth-1 default for this module).
+
+        Args:
+            modules: ``FSDPModule``s whose parameters to all-gather.
+        """
         self._set_prefetch("forward", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' parameters when this module's backward starts."""
+        """All-gather these modules' parameters when this module's backward starts.
+
+        Args:
+            modules: ``FSDPModule``s whose parameters to all-gather.
+        """
         self._set_prefetch("backward", modules)
 
     def set_timeout(self, timeout: float | None, *, recurse: bool = True) -> None:
         """funcshard's (not FSDP2's): seconds a collective of a step may take before every waiting rank raises
         ``CollectiveTimeout`` (``funcshard.plan(timeout=)``; None: ``FUNCSHARD_TIMEOUT``, else 300). The model's
-        steps use the shortest timeout set on any of its modules."""
+        steps use the shortest timeout set on any of its modules.
+
+        Args:
+            timeout: seconds (None: ``FUNCSHARD_TIMEOUT``, else 300; 0: no bound of funcshard's own).
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         check_timeout(timeout, "set_timeout")
         self._set(recurse, timeout=timeout)
 
     def set_check_mode(self, check: bool, *, recurse: bool = True) -> None:
         """funcshard's (not FSDP2's): check mode (``funcshard.plan(check=)``): the ranks check that they run the same
-        collectives in the same order; on for the model if set on any of its modules."""
+        collectives in the same order; on for the model if set on any of its modules.
+
+        Args:
+            check: check mode on or off.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         self._set(recurse, check=bool(check))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted: funcshard finishes every reduce-scatter inside backward; nothing waits for a last one."""
+        """Accepted: funcshard finishes every reduce-scatter inside backward; nothing waits for a last one.
+
+        Args:
+            is_last_backward: accepted and ignored.
+        """
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Accepted: all-gathers are issued from the current stream, which already follows the optimizer."""
+        """Accepted: all-gathers are issued from the current stream, which already follows the optimizer.
+
+        Args:
+            event: accepted and ignored.
+        """
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted: funcshard always reduce-scatters with SUM, then divides once."""
+        """Accepted: funcshard always reduce-scatters with SUM, then divides once.
+
+        Args:
+            enable: accepted and ignored.
+        """
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients but keeps the sums (no all-reduce over the replicate axis, nothing
         in ``.grad``); the next backward with True adds them before its all-reduce (gradient accumulation with only
-        reduce-scatter). A 1-D mesh has no all-reduce: no effect there (as in FSDP2)."""
+        reduce-scatter). A 1-D mesh has no all-reduce: no effect there (as in FSDP2).
+
+        Args:
+            requires_all_reduce: all-reduce the gradients over the replicate axis in backward.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
         self._set(recurse, all_reduce=bool(requires_all_reduce))
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
@@ -342,7 +414,12 @@ class FSDPModule:
         the HSDP all-reduce (1-D: after the reduce-scatter), with what FSDP2's hook sees there (averaged for fp32 and
         bf16), before the cast back to the parameters' dtype. ``stream``: the hook runs on it (it first waits for the
         current stream's work; the current stream waits for the hook's before the output is read), as in FSDP2;
-        refused with HSDP, as in FSDP2."""
+        refused with HSDP, as in FSDP2.
+
+        Args:
+            hook: ``hook(output) -> None``, called on each reduced gradient buffer, as described above.
+            stream: the stream to run the hook on (None: the current one).
+        """
         unit = unit_of(self)
         if stream is not None:
             if unit.mesh.ndim == 2:
@@ -356,13 +433,23 @@ class FSDPModule:
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """FSDP2's ``AllGather`` protocol (``allocate`` + in-place ``__call__``) runs this module's group's all-gathers
-        (not recursive), with FSDP2's buffers and ``async_op=True``; see ``funcshard._comm``."""
+        (not recursive), with FSDP2's buffers and ``async_op=True``; see ``funcshard._comm``.
+
+        Args:
+            comm: an object with FSDP2's ``AllGather`` protocol (``allocate(size, dtype=, device=)`` and
+                ``__call__(output_tensor=, input_tensor=, group=, async_op=)``).
+        """
         unit = unit_of(self)
         self._set(False, comm=custom_comm(unit.comm, unit.name(), all_gather=comm))
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """FSDP2's ``ReduceScatter`` protocol runs this module's group's reduce-scatters (``op=SUM``; funcshard divides
-        once after)."""
+        once after).
+
+        Args:
+            comm: an object with FSDP2's ``ReduceScatter`` protocol (``allocate`` and ``__call__(output_tensor=,
+                input_tensor=, group=, op=, async_op=)``).
+        """
         unit = unit_of(self)
         self._set(False, comm=custom_comm(unit.comm, unit.name(), reduce_scatter=comm))
 
@@ -402,25 +489,32 @@ def fully_shard(
     dp_mesh_dims: Any = None,
 ):
     """Shard ``module``'s parameters over ``mesh`` like ``torch.distributed.fsdp.fully_shard`` (same
-    signature and semantics; apply bottom-up: blocks, then the root). A list of modules forms one unit.
+    signature and semantics; apply bottom-up: blocks, then the root). Parameters become DTensor ``nn.Parameter``s
+    (``Shard(dim)``; HSDP ``(Replicate(), Shard(dim))``); uneven sizes are padded, on any dim. funcshard's own
+    ``set_timeout`` / ``set_check_mode`` (not FSDP2's) are on the returned module.
 
-    ``mesh``: 1-D, or 2-D ``(replicate, shard)`` (HSDP: sharded over axis 1, gradients reduce-scattered over it and
-    all-reduced over axis 0). Parameters become DTensor ``nn.Parameter``s (``Shard(dim)``, HSDP ``(Replicate(),
-    Shard(dim))``; ``shard_placement_fn(param) -> Shard | None`` picks the dim; uneven sizes are padded, on any dim).
-    ``reshard_after_forward``: True frees the unsharded parameters after forward, False keeps them for backward, None
-    means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks of
-    ``k`` ranks until backward (also with tensor parallel, where FSDP2 refuses it). funcshard's own ``set_timeout`` /
-    ``set_check_mode`` (not FSDP2's).
+    Args:
+        module: the module, or a list of modules forming one unit (gathered together).
+        mesh: 1-D, or 2-D ``(replicate, shard)`` with axis names (HSDP: sharded over axis 1, gradients
+            reduce-scattered over it and all-reduced over axis 0). None: a 1-D mesh over the default process group.
+        reshard_after_forward: True frees the unsharded parameters after forward, False keeps them for backward, None
+            means True except for the root, an int ``k`` (dividing the shard axis size) keeps them sharded over blocks
+            of ``k`` ranks until backward (also with tensor parallel, where FSDP2 refuses it).
+        shard_placement_fn: ``param -> Shard(dim) | None``: the dim to shard each parameter on (None: dim 0).
+        mp_policy: a ``MixedPrecisionPolicy`` (funcshard's or torch's) for this unit.
+        offload_policy: ``CPUOffloadPolicy(pin_memory=...)``: sharded parameters and gradients on the host (pinned if
+            asked), copied to the device before the all-gather and back after the reduce-scatter; the optimizer steps
+            on the host (FSDP2's semantics, ``funcshard/_offload.py``). ``OffloadPolicy()``: none.
+        ignored_params: parameters this unit leaves alone (not sharded, not managed).
+        dp_mesh_dims: FSDP over tensor parallel on a full SPMD ``mesh``: ``DataParallelMeshDims(shard='dp',
+            replicate=...)`` names its data-parallel axes; every parameter must be a DTensor on ``mesh`` with
+            ``Replicate()`` there. (The other form: DTensor parameters on ``mesh['tp']`` of the mesh ``mesh`` was
+            sliced from, ``parallelize_module`` first, then ``fully_shard(block, mesh=mesh['dp'])``.) Each local tensor
+            is sharded over the data-parallel axes; the parameter is a DTensor over both (``_StridedShard`` where
+            FSDP2 uses it), the module sees its DTensor gathered.
 
-    FSDP over tensor parallel (FSDP2's two forms): DTensor parameters on ``mesh['tp']`` of the mesh ``mesh`` was
-    sliced from (``parallelize_module`` first, then ``fully_shard(block, mesh=mesh['dp'])``), or, with
-    ``dp_mesh_dims=DataParallelMeshDims(shard='dp', replicate=...)``, DTensors on the full SPMD ``mesh`` with
-    ``Replicate()`` on its data-parallel axes: each local tensor is sharded over the data-parallel axes; the
-    parameter is a DTensor over both (``_StridedShard`` where FSDP2 uses it), the module sees its DTensor gathered.
-    ``offload_policy=CPUOffloadPolicy(pin_memory=...)``: sharded parameters and gradients on the host (pinned if
-    asked), copied to the device before the all-gather and back after the reduce-scatter; the optimizer steps on the
-    host (FSDP2's semantics, ``funcshard/_offload.py``). Returns ``module``, its class now ``FSDP<Cls>`` (a subclass
-    of :class:`FSDPModule`).
+    Returns:
+        ``module``, its class now ``FSDP<Cls>`` (a subclass of :class:`FSDPModule`).
     """
     modules = (module,) if isinstance(module, nn.Module) else tuple(module)
     for m in modules:
@@ -573,7 +667,12 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set) -> tuple[list, list, 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` run like ``forward``: gather before, reshard after. A no-op on a module
-    ``fully_shard`` was not applied to."""
+    ``fully_shard`` was not applied to.
+
+    Args:
+        module: a module ``fully_shard`` was applied to (any other: nothing happens).
+        method_name: the name of the method to wrap (e.g. ``"generate"``).
+    """
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
@@ -594,7 +693,11 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     streams, so their collectives' buffers do not fragment memory across streams. funcshard's collectives run on the
     process group's own streams (NCCL's, one set per communicator; gloo has none) and its host copies on one stream
     per device, not on streams of each root, so roots over one mesh share them already; this checks ``modules`` as
-    FSDP2 does."""
+    FSDP2 does.
+
+    Args:
+        modules: the FSDP root modules (a list of ``FSDPModule``).
+    """
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"Expects list of FSDPModules but got {module}")
