@@ -246,3 +246,56 @@ def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
     muon_keys, adam_keys = ("a.weight", "b.weight"), ("inp.weight", "inp.bias", "norm.weight", "out.bias")
     for i, keys in ((0, saved["saved"][0]), (1, muon_keys), (2, adam_keys)):
         assert all(torch.equal(loaded[i][k], saved["saved"][i][k]) for k in keys), i
+
+
+# ---- owner_compute: a whole-matrix update of your own, no communication code ---------------------------------
+
+
+def _shampoo_init(path, spec):
+    m, n = spec.shape
+    return {"L": torch.zeros(m, m), "R": torch.zeros(n, n)}
+
+
+def _inv_root(a, eps=1e-6):
+    vals, vecs = torch.linalg.eigh(a + eps * torch.eye(a.shape[0]))
+    return vecs @ torch.diag(vals.clamp(min=eps) ** -0.25) @ vecs.T
+
+
+def _shampoo(path, g, state):
+    """A Shampoo-like update: preconditioners from the whole matrix's statistics, held by its owner."""
+    L = 0.9 * state["L"] + g @ g.T
+    R = 0.9 * state["R"] + g.T @ g
+    return _inv_root(L) @ g @ _inv_root(R), {"L": L, "R": R}
+
+
+def _normalize(path, g, state):
+    return g / g.norm(), None
+
+
+def _owner_compute_parity():
+    plan = funcshard.plan(_model(), _mesh())
+    state = funcshard.shard(plan)
+    rank = plan.shard_group()[1]
+    shampoo = optim.owner_compute(_shampoo, plan=plan, init_state=_shampoo_init)
+    norm = optim.owner_compute(_normalize, plan=plan)
+    s_state, n_state = shampoo.init(state), norm.init(state)
+    owners = shampoo.owners(state)
+    assert set(s_state.owned) == set(owners.owned_by(rank)) and n_state.owned is None
+    ref = {k: _shampoo_init(k, s) for k, s in plan.specs.items()}
+    equal = []
+    for step in range(3):
+        full = _grads(plan.specs, step, torch.float32)
+        local = {k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}
+        upd, s_state = shampoo.update(local, s_state)
+        nupd, n_state = norm.update(local, n_state)
+        got, ngot = funcshard.gather(plan, upd), funcshard.gather(plan, nupd)
+        for k, g in full.items():
+            want, ref[k] = _shampoo(k, g, ref[k])
+            equal.append(torch.equal(got[k], want) and torch.equal(ngot[k], g / g.norm()))
+    return all(equal), s_state.count, str(owners)
+
+
+def test_owner_compute_shampoo_like_and_normalisation_equal_one_process():
+    for equal, count, text in run_ranks(2, _owner_compute_parity):
+        assert equal and count == 3
+        assert "busiest / mean" in text
