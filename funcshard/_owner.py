@@ -87,11 +87,11 @@ class Owners:
     def __str__(self) -> str:
         w = max([len("parameter"), *(len(e.path) for e in self.entries)])
         lines = [f"Owners of {len(self.entries)} matrices over {self.world} ranks (longest processing time first, "
-                 f"by FLOPs):", f"  {'parameter':<{w}}  {'shape':>14}  owner  {'GFLOP':>9}"]
-        lines += [f"  {e.path:<{w}}  {str(tuple(e.shape)):>14}  {e.owner:>5}  {e.flops / 1e9:>9.4f}"
+                 f"by FLOPs):", f"  {'parameter':<{w}}  {'shape':>14}  owner  {'FLOPs':>9}"]
+        lines += [f"  {e.path:<{w}}  {str(tuple(e.shape)):>14}  {e.owner:>5}  {e.flops:>9.3g}"
                   for e in self.entries]
         loads = self.loads()
-        lines.append("  per rank GFLOP: " + ", ".join(f"{r}: {x / 1e9:.4f}" for r, x in enumerate(loads)) +
+        lines.append("  per rank FLOPs: " + ", ".join(f"{r}: {x:.3g}" for r, x in enumerate(loads)) +
                      f"; busiest / mean {self.imbalance():.2f}")
         return "\n".join(lines)
 
@@ -126,20 +126,6 @@ class Exchange:
         self.specs, self.owners, self.group, self.rank = dict(specs), owners, group, rank
         self.world, self.timeout, self.what = owners.world, timeout, what
         self.boxes = {k: [s.boxes(r) for r in range(self.world)] for k, s in self.specs.items()}
-
-    def sent_nbytes(self, dtypes: Mapping[str, torch.dtype], rank: int | None = None) -> tuple[int, int]:
-        """Bytes ``rank`` (default: this rank) sends to other ranks in ``to_owners`` and in ``from_owners``, for
-        pieces of the given dtypes (what stays on the rank, its own pieces of the matrices it owns, is not sent)."""
-        r = self.rank if rank is None else rank
-        out = back = 0
-        for k, boxes in self.boxes.items():
-            size = torch.empty((), dtype=dtypes[k]).element_size()
-            o = self.owners.owner(k)
-            if o != r:
-                out += size * sum(math.prod(b.sizes) for b in boxes[r])
-            else:
-                back += size * sum(math.prod(b.sizes) for q, bs in enumerate(boxes) if q != r for b in bs)
-        return out, back
 
     def _by_dtype(self, tensors: Mapping[str, torch.Tensor] | Mapping[str, torch.dtype]) -> list[tuple[str, list]]:
         groups: dict[str, list[str]] = {}

@@ -1301,11 +1301,14 @@ class _OwnersOptimizer(TorchOptimizer):
     """A TorchOptimizer with ``owners(params) -> Owners``."""
 
 
-def _with_owners(tx: GradientTransformation, owners: Callable) -> GradientTransformation:
+def _with_owners(tx: GradientTransformation, owners: Callable, wire_dtype: torch.dtype | None = None,
+                 transforms: dict | None = None) -> GradientTransformation:
+    """``tx`` with ``owners(params)``; ``wire_dtype``: the dtype its exchange sends (None: the updates'), and, for
+    :func:`multi_transform`, ``transforms`` (label -> transformation): what ``funcshard.cost`` reads."""
     out = (_OwnersOptimizer if isinstance(tx, TorchOptimizer) else _OwnersTransformation)(tx.init, tx.update)
     if isinstance(tx, TorchOptimizer):
         out.exact, out.torch_param_group = tx.exact, tx.torch_param_group
-    out.owners = owners
+    out.owners, out.wire_dtype, out.transforms = owners, wire_dtype, transforms
     return out
 
 
@@ -1409,7 +1412,7 @@ def muon(
 
     tx = GradientTransformation(init_fn, _checked(update_fn, lambda u, s, p=None: check(u, s, p)))
     return _with_owners(_torch_optimizer(tx, _checked(exact, lambda g, s, p: check(g, s, p, True)), param_group),
-                        owning.owners)
+                        owning.owners, torch.bfloat16)
 
 
 def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, *,
@@ -1517,7 +1520,8 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
                 if hasattr(t, "owners")}
 
-    tx = _with_owners(GradientTransformation(init_fn, _checked(update_fn, check_all)), owners)
+    tx = _with_owners(GradientTransformation(init_fn, _checked(update_fn, check_all)), owners,
+                      transforms=dict(transforms))
     if not all(isinstance(t, TorchOptimizer) for t in transforms.values()):
         return tx
 
@@ -1536,4 +1540,5 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         labs = label_of(grads, "grads")
         return {k: outs[labs[k]][k] for k in params}, MultiTransformState(new)
 
-    return _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners)
+    return _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners,
+                        transforms=dict(transforms))

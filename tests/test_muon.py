@@ -150,7 +150,7 @@ class _Mixed(nn.Module):
         self.b = nn.Linear(9, 9, bias=False)
         self.c = nn.Linear(9, 9, bias=False)
         self.c.weight = self.b.weight  # tied: one parameter, one update
-        self.frozen = nn.Linear(9, 5, bias=False)
+        self.frozen = nn.Linear(9, 9, bias=False)
         self.frozen.weight.requires_grad_(False)
         self.out = nn.Linear(9, 3)
 
@@ -404,3 +404,47 @@ def test_module_muon_dcp_w2_to_w1(tmp_path):
     saved = run_ranks(2, _module_dcp, path, True)[0]
     loaded = run_ranks(1, _module_dcp, path, False)[0]
     assert len(saved) == 5 and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(saved, loaded))
+
+
+# ---- the cost model: the owners' all-to-all bytes as the exchange sends them ------------------------------------
+
+
+def _counted_step():
+    from funcshard import cost
+
+    plan = funcshard.plan(_model(), _mesh())
+    state = funcshard.shard(plan)
+    rank = plan.shard_group()[1]
+    tx = optim.muon(0.02, plan=plan)
+    opt_state = tx.init(state)
+    sent = []
+    real = dist.all_to_all_single
+
+    def counting(out, inp, out_splits, in_splits, **kw):
+        sent.append(sum(n for o, n in enumerate(in_splits) if o != rank) * inp.element_size())
+        return real(out, inp, out_splits, in_splits, **kw)
+
+    dist.all_to_all_single = counting
+    try:
+        full = _grads(plan.specs, 0, torch.float32)
+        optim.step(tx, {k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}, opt_state, state)
+    finally:
+        dist.all_to_all_single = real
+    (oc,) = cost.owner_costs(plan, tx, hardware=cost.Hardware(1e9, 1e9, 1e8, 1e-5))
+    return sent, oc.to_owners_sent[rank], oc.back_sent[rank], oc.exchange_s > 0, str(oc)
+
+
+def test_owner_cost_bytes_are_the_exchanges():
+    for sent, to, back, timed, text in run_ranks(2, _counted_step):
+        assert sent == [to, back] and to + back > 0 and timed
+        assert "owners' extra memory" in text
+
+
+def test_estimate_reports_owners(fake_mesh2):
+    from funcshard import cost
+
+    plan = funcshard.plan(_Mixed(), fake_mesh2)
+    c = cost.estimate(plan, torch.randn(2, 6), optimizer=_mixed_tx(plan), hardware=cost.Hardware(1e9, 1e9, 1e8))
+    (oc,) = c.owners
+    assert oc.label == "muon" and {e.path for e in oc.owners.entries} == {"a.weight", "b.weight"}
+    assert "owners ('muon'): 2 whole matrices over 2 ranks" in str(c)
