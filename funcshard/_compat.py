@@ -207,7 +207,8 @@ __all__ = [
     "torch_tree_leaves", "torch_tree_map_only",
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
     "concatenate_meshes", "StridedShard",
-    "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "FakeTensor", "TorchDispatchMode", "flop_registry", "op_is_mutable",
+    "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
+    "FakeTensor",
     "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
     "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable",
 ]

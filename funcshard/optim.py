@@ -1360,16 +1360,17 @@ def muon(
         g, spec = tree_flatten(updates)
         buf, buf_spec = tree_flatten(state.trace)
         _check_match(where, "updates", updates, g, spec, "optimizer state", state.trace, buf, buf_spec, _FIX_STATE)
+        keys = list(updates)  # (every rank's order; tree_flatten sorts a dict's keys)
         p = None
         if need_params or weight_decay != 0:
             _require_params(where, params)
             p, p_spec = tree_flatten(params)
             _check_match(where, "updates", updates, g, spec, "params", params, p, p_spec, _FIX_PARAMS)
-        return g, spec, buf, buf_spec, p
+            p = [params[k] for k in keys]
+        return keys, [updates[k] for k in keys], [state.trace[k] for k in keys], p
 
-    def core(updates, state, g, buf, donate):
+    def core(keys, g, buf, donate):
         """The momentum (sharded) and Newton-Schulz (on the owners): the new buffers and the bfloat16 shards."""
-        keys = list(updates)
         _, ex = owning.get(keys)
         if not donate:
             old, buf = buf, [t.clone() for t in buf]
@@ -1380,10 +1381,10 @@ def muon(
 
     def update_fn(updates, state, params=None, **extra):
         donate = extra.get("donate", False)
-        g, spec, buf, buf_spec, p = check(updates, state, params)
+        keys, g, buf, p = check(updates, state, params)
         lr_t = lr(state.count) if callable(lr) else lr
         with torch.no_grad():
-            buf, ortho, shapes = core(updates, state, g, buf, donate)
+            buf, ortho, shapes = core(keys, g, buf, donate)
             out = []
             for i, (o, shape) in enumerate(zip(ortho, shapes)):
                 u = g[i].copy_(o) if donate else o.to(g[i].dtype)
@@ -1391,19 +1392,20 @@ def muon(
                 if weight_decay != 0:
                     u.add_(p[i], alpha=-lr_t * weight_decay)
                 out.append(u)
-        return tree_unflatten(spec, out), TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
+        return dict(zip(keys, out)), TraceState(count=state.count + 1, trace=dict(zip(keys, buf)))
 
     def exact(grads, state, params, donate=False):
         """``torch.optim.Muon.step`` op for op (its ``_single_tensor_muon``)."""
-        g, spec, buf, buf_spec, p = check(grads, state, params, need_params=True)
+        keys, g, buf, p = check(grads, state, params, need_params=True)
         lr_t = lr(state.count) if callable(lr) else lr
         with torch.no_grad():
-            buf, ortho, shapes = core(grads, state, g, buf, donate)
+            buf, ortho, shapes = core(keys, g, buf, donate)
             new = p if donate else [t.clone() for t in p]
             _muon.apply_muon(new, ortho, shapes, lr_t, weight_decay, adjust_lr_fn)
         if not donate:
             inherit(p, new)
-        return tree_unflatten(spec, new), TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
+        new = dict(zip(keys, new))
+        return {k: new[k] for k in params}, TraceState(count=state.count + 1, trace=dict(zip(keys, buf)))
 
     def param_group(count):
         return dict(lr=lr(count) if callable(lr) else lr, weight_decay=weight_decay, momentum=momentum,

@@ -58,7 +58,9 @@ def _parity(mode="step", dtype=torch.float32, steps=10, layout="per_param", nest
     for step in range(steps):
         full = _grads(plan.specs, step, dtype)
         local = {k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}
-        if mode == "step":
+        if mode == "reversed":  # grads keyed in another order than the params and the state: matched by key
+            state, opt_state = optim.step(tx, dict(reversed(local.items())), opt_state, state)
+        elif mode == "step":
             state, opt_state = optim.step(tx, local, opt_state, state)
         elif mode == "donate":
             state, opt_state = optim.step(tx, local, opt_state, state, donate=True)
@@ -95,6 +97,8 @@ def test_update_path_dim1_flat_bf16_donate():
     out = run_ranks(2, _parity, "step", layout="flat")
     assert all(e for _, e, _ in out), out
     out = run_ranks(2, _parity, "donate")
+    assert all(e for _, e, _ in out), out
+    out = run_ranks(2, _parity, "reversed")
     assert all(e for _, e, _ in out), out
     # bf16 params and momentum (torch keeps the buffer in the gradient's dtype): W=1 bit for bit; sharded, torch's
     # CPU kernels round a bf16 add_/lerp_ differently in a vector's tail than in its body, and the shards' tails are
