@@ -452,3 +452,37 @@ def test_estimate_reports_owners(fake_mesh2):
     (oc,) = c.owners
     assert oc.label == "muon" and {e.path for e in oc.owners.entries} == {"a.weight", "b.weight"}
     assert "owners ('muon'): 2 whole matrices over 2 ranks" in str(c)
+
+
+# ---- bounded waits: a rank that never joins the exchange ends the other's wait with the named error -------------
+
+_GROUPS: list = []  # (the groups a timed-out exchange left broken: kept alive, never reused)
+
+
+def _exchange_timeout():
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    _GROUPS.append(pg)
+    plan = funcshard.plan(_model(), DeviceMesh.from_group(pg, "cpu"), timeout=1)
+    state = funcshard.shard(plan)
+    tx = optim.muon(0.02, plan=plan)
+    opt_state = tx.init(state)
+    if dist.get_rank() == 1:
+        return "skipped"
+    before = {k: v.clone() for k, v in state.items()}
+    grads = {k: torch.ones_like(v) for k, v in state.items()}
+    try:
+        optim.step(tx, grads, opt_state, state)
+    except funcshard.CollectiveTimeout as e:
+        untouched = all(torch.equal(state[k], before[k]) for k in state) and all(
+            not t.any() for t in opt_state.trace.values())
+        return str(e), untouched
+    return "no error"
+
+
+def test_exchange_wait_is_bounded():
+    msg, untouched = run_ranks(2, _exchange_timeout, timeout=60)[0]
+    assert "the all-to-all of optim.muon (to the owners) did not complete within 1 s" in msg and untouched
