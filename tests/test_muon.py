@@ -380,12 +380,12 @@ def test_module_muon_refuses_non_matrices():
         optim.Muon([("norm.bias", nn.Parameter(torch.zeros(3)))])
 
 
-def _module_dcp(path, save):
+def _module_dcp(path, save, kind="fsdp2"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _sharded_model("fsdp2", mesh)
+    model = _sharded_model(kind, mesh)
     opt = optim.Muon(model.parameters(), lr=0.02)
     if save:
         for step in range(3):
@@ -403,10 +403,11 @@ def _module_dcp(path, save):
     return [opt.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()]
 
 
-def test_module_muon_dcp_w2_to_w1(tmp_path):
+@pytest.mark.parametrize("kind", ["fsdp2", "funcshard"])
+def test_module_muon_dcp_w2_to_w1(tmp_path, kind):
     path = str(tmp_path / "dcp")
-    saved = run_ranks(2, _module_dcp, path, True)[0]
-    loaded = run_ranks(1, _module_dcp, path, False)[0]
+    saved = run_ranks(2, _module_dcp, path, True, kind)[0]
+    loaded = run_ranks(1, _module_dcp, path, False, kind)[0]
     assert len(saved) == 5 and all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(saved, loaded))
 
 
