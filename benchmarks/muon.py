@@ -127,6 +127,7 @@ def _run(d: int, layers: int, steps: int, systems=SYSTEMS) -> dict:
             elif system == "owners":
                 (oc,) = cost.owner_costs(plan, tx) if world > 1 else (None,)
                 sent_b = oc.to_owners_sent[rank] + oc.back_sent[rank] if oc else 0
+                model_extra = oc.extra_bytes[rank] if oc else 0
             else:
                 sent_b = 0
             held = [*state.values(), *grads.values(), *bufs.values(), *tree_leaves(opt_state)]
@@ -138,7 +139,8 @@ def _run(d: int, layers: int, steps: int, systems=SYSTEMS) -> dict:
         finally:
             _muon.newton_schulz = timed.real
         out[system] = dict(step_s=statistics.median(times[1:]), ns_s=ns, sent=sent_b, peak=mem.peak,
-                           owners=str(tx.owners(state)) if system == "owners" else None)
+                           owners=str(tx.owners(state)) if system == "owners" else None,
+                           model_extra=model_extra if system == "owners" else None)
     return out
 
 
@@ -154,9 +156,10 @@ def _table(world: int, ranks: list[dict], fake: bool) -> list[str]:
         rs = [r[system] for r in ranks]
         step = max(r["step_s"] for r in rs)
         ns = [r["ns_s"] for r in rs]
+        model = "" if rs[0]["model_extra"] is None else f"{max(r['model_extra'] for r in rs) / 2**10:.1f}"
         lines.append(f"| {world}{' (fake)' if fake else ''} | {system} | {step * 1e3:.0f} | "
                      f"{max(r['sent'] for r in rs) / 2**10:.1f} | {max(r['peak'] for r in rs) / 2**10:.1f} | "
-                     f"{max(ns) * 1e3:.0f} | {statistics.mean(ns) * 1e3:.0f} |")
+                     f"{model} | {max(ns) * 1e3:.0f} | {statistics.mean(ns) * 1e3:.0f} |")
     return lines
 
 
@@ -183,8 +186,9 @@ def main() -> None:
         rows += _table(a.fake, ranks, True)
         owners[a.fake] = ranks[0]["owners"]["owners"]
     print(f"d={a.d} layers={a.layers} steps={a.steps} (median; ms per step on the slowest rank)\n")
-    print("| W | system | step ms | sent KiB/rank | peak transient KiB | Newton-Schulz ms, busiest rank | mean rank |")
-    print("|---|---|---|---|---|---|---|")
+    print("| W | system | step ms | sent KiB/rank | peak transient KiB | cost model: owners' extra KiB | "
+          "Newton-Schulz ms, busiest rank | mean rank |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     for w, text in owners.items():
         print(f"\nW={w}:\n{text}")

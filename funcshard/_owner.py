@@ -25,7 +25,7 @@ from funcshard._collectives import public_where, wait_work
 from funcshard._compat import FakeTensor
 from funcshard._spec import Box, ShardingError, ShardSpec
 
-__all__ = ["Exchange", "Owned", "Owners", "assign_owners", "ns_flops"]
+__all__ = ["Exchange", "Owned", "Owners", "assign_owners", "ns_flops", "owner_rounds"]
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
@@ -109,6 +109,13 @@ def assign_owners(items: Sequence[tuple[str, tuple[int, ...], int]], world: int)
     return Owners(world, tuple(Owned(p, tuple(s), owner[i], int(c)) for i, (p, s, c) in enumerate(items)))
 
 
+def owner_rounds(owners: Owners, keys: Sequence[str]) -> list[list[str]]:
+    """``keys`` in the exchange's rounds: round ``j`` holds each owner's ``j``-th matrix (the same on every rank)."""
+    wanted = set(keys)
+    per = [[k for k in owners.owned_by(o) if k in wanted] for o in range(owners.world)]
+    return [[p[j] for p in per if j < len(p)] for j in range(max(map(len, per), default=0))]
+
+
 def _region(full: torch.Tensor, box: Box) -> torch.Tensor:
     """``box`` as a view of the whole tensor (global coordinates)."""
     for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
@@ -119,7 +126,12 @@ def _region(full: torch.Tensor, box: Box) -> torch.Tensor:
 class Exchange:
     """The all-to-all of whole matrices to their owners and back, for the parameters ``specs`` (path -> spec,
     every rank the same paths in the same order) over ``group`` (the shard axis's process group; None with one
-    rank), ``rank`` this rank's index on it. ``what`` names it in errors; ``timeout``: the plan's."""
+    rank), ``rank`` this rank's index on it. ``what`` names it in errors; ``timeout``: the plan's.
+
+    :meth:`map` pipelines: the matrices go in rounds, each round at most one matrix per owner (its ``j``-th), and
+    round ``j + 1``'s all-to-all to the owners and round ``j``'s back run while the owners compute (gloo runs them on
+    its threads; NCCL on its stream), so an owner holds one or two whole matrices at a time, not all of its own.
+    :meth:`to_owners` / :meth:`from_owners` are one round of everything."""
 
     def __init__(self, specs: Mapping[str, ShardSpec], owners: Owners, group, rank: int, *,
                  timeout: float | None = None, what: str = "optim.owner_compute"):
@@ -134,92 +146,129 @@ class Exchange:
             groups.setdefault(str(v if isinstance(v, torch.dtype) else v.dtype), []).append(k)
         return sorted(groups.items())
 
-    def _run(self, recv: torch.Tensor, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
-             phase: str) -> None:
+    def rounds(self, keys: Sequence[str]) -> list[list[str]]:
+        return owner_rounds(self.owners, keys)
+
+    def _start(self, recv: torch.Tensor, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               phase: str):
         if self.group is None or self.world == 1:
             recv.copy_(send)
-            return
+            return None
         if isinstance(send, FakeTensor):  # (funcshard.cost's traced update: the buffers, no collective)
-            return
+            return None
         where = public_where("all-to-all", f"{self.what} ({phase})", self.group, self.timeout)
-        wait_work(dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True), where)
+        return dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True), where
 
-    def to_owners(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole matrices of the paths this rank owns, from every rank's ``local`` shard (padding ignored)."""
+    @staticmethod
+    def _wait(pending) -> None:
+        if pending is not None:
+            wait_work(*pending)
+
+    def _to(self, local: Mapping[str, torch.Tensor], keys: Sequence[str]):
+        """Start sending every rank's pieces of ``keys`` (one dtype) to their owners."""
         r, W, owners = self.rank, self.world, self.owners
-        fulls: dict[str, torch.Tensor] = {}
-        for _, keys in self._by_dtype(local):
-            mine = [k for k in keys if owners.owner(k) == r]
-            to = [[k for k in keys if owners.owner(k) == o] for o in range(W)]
-            parts, in_splits = [], []
-            for o in range(W):
-                n = 0
-                for k in to[o]:
+        mine = [k for k in keys if owners.owner(k) == r]
+        parts, in_splits = [], []
+        for o in range(W):
+            n = 0
+            for k in keys:
+                if owners.owner(k) == o:
                     for b in self.boxes[k][r]:
                         parts.append(b.view(local[k]).reshape(-1))
                         n += parts[-1].numel()
-                in_splits.append(n)
-            like = local[keys[0]]
-            out_splits = [sum(math.prod(b.sizes) for k in mine for b in self.boxes[k][s]) for s in range(W)]
-            send = torch.cat(parts) if parts else like.new_empty((0,))
-            recv = like.new_empty((sum(out_splits),))
-            self._run(recv, send, out_splits, in_splits, "to the owners")
-            off = 0
+            in_splits.append(n)
+        like = local[keys[0]]
+        out_splits = [sum(math.prod(b.sizes) for k in mine for b in self.boxes[k][s]) for s in range(W)]
+        send = torch.cat(parts) if parts else like.new_empty((0,))
+        recv = like.new_empty((sum(out_splits),))
+        return self._start(recv, send, out_splits, in_splits, "to the owners"), recv, mine, like
+
+    def _to_finish(self, started) -> dict[str, torch.Tensor]:
+        pending, recv, mine, like = started
+        self._wait(pending)
+        fulls = {k: like.new_empty(self.specs[k].shape) for k in mine}
+        off = 0
+        for s in range(self.world):
             for k in mine:
-                fulls[k] = like.new_empty(self.specs[k].shape)
-            for s in range(W):
-                for k in mine:
-                    for b in self.boxes[k][s]:
-                        n = math.prod(b.sizes)
-                        _region(fulls[k], b).copy_(recv[off:off + n].view(b.sizes))
-                        off += n
+                for b in self.boxes[k][s]:
+                    n = math.prod(b.sizes)
+                    _region(fulls[k], b).copy_(recv[off:off + n].view(b.sizes))
+                    off += n
+        return fulls
+
+    def _back(self, fulls: Mapping[str, torch.Tensor], keys: Sequence[str], like: Mapping[str, torch.Tensor],
+              dtype: torch.dtype):
+        """Start sending the owners' results of ``keys`` (``fulls``: this rank's) back as every rank's pieces."""
+        r, W, owners = self.rank, self.world, self.owners
+        for k, t in fulls.items():
+            spec = self.specs[k]
+            if tuple(t.shape) != tuple(spec.shape) or t.dtype != dtype:
+                raise ShardingError(
+                    f"{self.what}: the whole-matrix update of {k!r} is {tuple(t.shape)} {t.dtype}, not the "
+                    f"parameter's {tuple(spec.shape)} {dtype}; return an update of the gradient's shape and dtype "
+                    f"(the other ranks wait for it and time out)")
+        mine = [k for k in keys if owners.owner(k) == r]
+        parts, in_splits = [], []
+        for s in range(W):
+            n = 0
+            for k in mine:
+                for b in self.boxes[k][s]:
+                    parts.append(_region(fulls[k], b).reshape(-1))
+                    n += parts[-1].numel()
+            in_splits.append(n)
+        frm = [k for o in range(W) for k in keys if owners.owner(k) == o]  # (what arrives, in the senders' order)
+        out_splits = [sum(math.prod(b.sizes) for k in keys if owners.owner(k) == o for b in self.boxes[k][r])
+                      for o in range(W)]
+        proto = like[keys[0]]
+        send = torch.cat(parts) if parts else proto.new_empty((0,), dtype=dtype)
+        recv = proto.new_empty((sum(out_splits),), dtype=dtype)
+        return self._start(recv, send, out_splits, in_splits, "back from the owners"), recv, frm
+
+    def _back_finish(self, started, out: dict[str, torch.Tensor]) -> None:
+        pending, recv, frm = started
+        self._wait(pending)
+        off = 0
+        for k in frm:
+            for b in self.boxes[k][self.rank]:
+                n = math.prod(b.sizes)
+                b.view(out[k]).copy_(recv[off:off + n].view(b.sizes))
+                off += n
+
+    def to_owners(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole matrices of the paths this rank owns, from every rank's ``local`` shard (padding ignored)."""
+        fulls: dict[str, torch.Tensor] = {}
+        for _, keys in self._by_dtype(local):
+            fulls.update(self._to_finish(self._to(local, keys)))
         return fulls
 
     def from_owners(self, fulls: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor],
                     dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """Every rank's shard (shaped as ``like[path]``, padding zero, dtype ``dtypes[path]``) of the whole matrices
         the owners computed (``fulls``: this rank's, each of its spec's shape and ``dtypes[path]``)."""
-        r, W, owners = self.rank, self.world, self.owners
-        for k, t in fulls.items():
-            spec = self.specs[k]
-            if tuple(t.shape) != tuple(spec.shape) or t.dtype != dtypes[k]:
-                raise ShardingError(
-                    f"{self.what}: the whole-matrix update of {k!r} is {tuple(t.shape)} {t.dtype}, not the "
-                    f"parameter's {tuple(spec.shape)} {dtypes[k]}; return an update of the gradient's shape and dtype "
-                    f"(the other ranks wait for it and time out)")
-        out: dict[str, torch.Tensor] = {}
+        out = {k: torch.zeros_like(like[k], dtype=dtypes[k]) for k in self.specs}
         for _, keys in self._by_dtype(dtypes):
-            dtype = dtypes[keys[0]]
-            mine = [k for k in keys if owners.owner(k) == r]
-            parts, in_splits = [], []
-            for s in range(W):
-                n = 0
-                for k in mine:
-                    for b in self.boxes[k][s]:
-                        parts.append(_region(fulls[k], b).reshape(-1))
-                        n += parts[-1].numel()
-                in_splits.append(n)
-            frm = [[k for k in keys if owners.owner(k) == o] for o in range(W)]
-            out_splits = [sum(math.prod(b.sizes) for k in frm[o] for b in self.boxes[k][r]) for o in range(W)]
-            proto = like[keys[0]]
-            send = torch.cat(parts) if parts else proto.new_empty((0,), dtype=dtype)
-            recv = proto.new_empty((sum(out_splits),), dtype=dtype)
-            self._run(recv, send, out_splits, in_splits, "back from the owners")
-            for k in keys:
-                out[k] = torch.zeros_like(like[k], dtype=dtype)
-            off = 0
-            for o in range(W):
-                for k in frm[o]:
-                    for b in self.boxes[k][r]:
-                        n = math.prod(b.sizes)
-                        b.view(out[k]).copy_(recv[off:off + n].view(b.sizes))
-                        off += n
-        return {k: out[k] for k in self.specs}
+            self._back_finish(self._back(fulls, keys, like, dtypes[keys[0]]), out)
+        return out
 
     def map(self, local: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], torch.Tensor],
             dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
         """``fn(path, whole matrix)`` run on each matrix's owner, the results back as shards shaped like ``local``
-        (``dtypes``: the results' dtypes, default the inputs')."""
+        (``dtypes``: the results' dtypes, default the inputs'), pipelined in rounds (see the class)."""
         dtypes = {k: t.dtype for k, t in local.items()} if dtypes is None else dtypes
-        fulls = self.to_owners(local)
-        return self.from_owners({k: fn(k, v) for k, v in fulls.items()}, local, dtypes)
+        out = {k: torch.zeros_like(local[k], dtype=dtypes[k]) for k in self.specs}
+        for _, keys in self._by_dtype(local):
+            rounds, dtype = self.rounds(keys), dtypes[keys[0]]
+            if any(dtypes[k] != dtype for k in keys):
+                raise ShardingError(f"{self.what}: results of one input dtype must share a dtype, got "
+                                    f"{sorted({str(dtypes[k]) for k in keys})}")
+            to, back = self._to(local, rounds[0]), None
+            for j, keys_j in enumerate(rounds):
+                fulls = self._to_finish(to)
+                if j + 1 < len(rounds):
+                    to = self._to(local, rounds[j + 1])  # (in flight while this round computes)
+                started = self._back({k: fn(k, v) for k, v in fulls.items()}, keys_j, local, dtype)
+                if back is not None:
+                    self._back_finish(back, out)
+                back = started
+            self._back_finish(back, out)
+        return {k: out[k] for k in self.specs}

@@ -669,12 +669,16 @@ class OwnerCost:
         to_owners_sent / to_owners_received: bytes each rank sends / receives in the all-to-all to the owners (its
             pieces of the matrices others own / the others' pieces of its own; padding does not travel).
         back_sent / back_received: the same for the all-to-all back (the owners' results).
-        extra_bytes: each rank's memory beyond the sharded state while it updates: its owned whole matrices as they
-            arrive and as computed (two each), the packed send and receive buffers of the larger all-to-all, and
-            for Newton-Schulz the largest Gram-matrix pair (``2 m^2``) of the matrices it owns.
+        extra_bytes: each rank's memory beyond the sharded state while it updates, as the pipelined exchange holds
+            it (``Exchange.map``: rounds of one matrix per owner): the result shards (and for Muon the bfloat16 copies
+            of the update shards it sends), plus at the worst round its
+            whole matrix in and out, for Newton-Schulz its Gram-matrix pair (``2 m^2``), and the packed send and
+            receive buffers of the three all-to-alls in flight then (the next round's to the owners, this and the
+            last round's back).
         flops: each rank's FLOPs on its owned matrices (the table's cost).
-        exchange_s: the two all-to-alls' time (``latency_s`` each plus the busiest rank's larger of sent and
-            received bytes over ``link_bytes_per_s``); None without hardware figures.
+        exchange_s: the all-to-alls' time (``latency_s`` for each, two per round, plus the busiest rank's larger of
+            sent and received bytes each way over ``link_bytes_per_s``), not overlapped with compute in this figure;
+            None without hardware figures.
         compute_s: each rank's time on its owned matrices (``flops / flops_per_s``); the step waits for the
             busiest. None without hardware figures.
     """
@@ -729,30 +733,46 @@ def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
 
 def _owner_cost(plan: Plan, label: str, owners: Any, wire_dtype: torch.dtype | None,
                 hw: Hardware | None) -> OwnerCost:
+    from funcshard._owner import owner_rounds
+
     w = owners.world
-    out_s, out_r, back_s, back_r, held, gram, local = ([0] * w for _ in range(7))
+    out_s, out_r, back_s, back_r, outs = ([0] * w for _ in range(5))
+    size = {e.path: torch.empty((), dtype=wire_dtype or plan.specs[e.path].dtype).element_size()
+            for e in owners.entries}
+    piece = {e.path: [size[e.path] * sum(math.prod(b.sizes) for b in plan.specs[e.path].boxes(r)) for r in range(w)]
+             for e in owners.entries}
     for e in owners.entries:
-        spec = plan.specs[e.path]
-        size = torch.empty((), dtype=wire_dtype or spec.dtype).element_size()
         for r in range(w):
-            n = size * sum(math.prod(b.sizes) for b in spec.boxes(r))
-            local[r] += n  # (its packed send buffer holds every piece it has, its own matrices' included)
+            outs[r] += piece[e.path][r]  # (the result shards, made when the exchange starts)
             if r != e.owner:
-                out_s[r] += n
-                out_r[e.owner] += n
-                back_s[e.owner] += n
-                back_r[r] += n
-        held[e.owner] += 2 * spec.numel * size
-        if wire_dtype is not None and len(spec.shape) == 2:  # (Newton-Schulz: X X^T and its update)
-            gram[e.owner] = max(gram[e.owner], 2 * min(spec.shape) ** 2 * size)
-    extra = tuple(held[r] + gram[r] + local[r] + max(out_r[r], back_r[r]) for r in range(w))
+                out_s[r] += piece[e.path][r]
+                out_r[e.owner] += piece[e.path][r]
+                back_s[e.owner] += piece[e.path][r]
+                back_r[r] += piece[e.path][r]
+    # the pipelined rounds (``Exchange.map``): while round j computes, round j+1's to-owners all-to-all and rounds
+    # j and j-1's way back are in flight; each all-to-all holds its packed send and receive buffers
+    rounds = owner_rounds(owners, [e.path for e in owners.entries])
+    peak = [0] * w
+    for r in range(w):
+        def packed(j: int) -> int:  # a round's send + receive bytes on rank r (the same both ways)
+            if not 0 <= j < len(rounds):
+                return 0
+            return sum(piece[k][r] for k in rounds[j]) + sum(
+                sum(piece[k]) for k in rounds[j] if owners.owner(k) == r)
+        for j, keys in enumerate(rounds):
+            own = [k for k in keys if owners.owner(k) == r]
+            held = sum(2 * plan.specs[k].numel * size[k] for k in own)  # the whole matrix in, and its result
+            if wire_dtype is not None:  # (Newton-Schulz: X X^T and its update)
+                held += sum(2 * min(plan.specs[k].shape) ** 2 * size[k] for k in own if len(plan.specs[k].shape) == 2)
+            peak[r] = max(peak[r], held + packed(j - 1) + packed(j) + packed(j + 1))
+    copies = outs if wire_dtype is not None else [0] * w  # (Muon: the bf16 copies of the update shards it sends)
+    extra = tuple(outs[r] + copies[r] + peak[r] for r in range(w))
     flops = tuple(owners.loads())
     exchange = compute = None
-    if hw is not None and w > 1:
-        exchange = (2 * hw.latency_s + max(max(out_s[r], out_r[r]) for r in range(w)) / hw.link_bytes_per_s
-                    + max(max(back_s[r], back_r[r]) for r in range(w)) / hw.link_bytes_per_s)
     if hw is not None:
-        exchange = exchange or 0.0
+        exchange = 0.0 if w == 1 else (2 * len(rounds) * hw.latency_s + max(max(out_s[r], out_r[r]) for r in range(w))
+                                       / hw.link_bytes_per_s + max(max(back_s[r], back_r[r]) for r in range(w))
+                                       / hw.link_bytes_per_s)
         compute = tuple(f / hw.flops_per_s for f in flops)
     return OwnerCost(label, owners, tuple(out_s), tuple(out_r), tuple(back_s), tuple(back_r), extra, flops,
                      exchange, compute)

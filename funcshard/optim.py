@@ -1281,12 +1281,14 @@ def owner_compute(fn: Callable[[str, torch.Tensor, Any], tuple[torch.Tensor, Any
                 state.owned is not None and set(state.owned) != set(owners.owned_by(ex.rank))):
             raise ValueError(f"{where}: opt_state does not hold this rank's matrices' states; pass the state "
                              f"tx.init(params) returned for these same parameters")
+        owned = {}
+
+        def one(k, g):
+            u, owned[k] = fn(k, g, state.owned[k] if state.owned is not None else None)
+            return u
+
         with torch.no_grad():
-            fulls = ex.to_owners(updates)
-            out, owned = {}, {}
-            for k, g in fulls.items():
-                out[k], owned[k] = fn(k, g, state.owned[k] if state.owned is not None else None)
-            new = ex.from_owners(out, updates, {k: t.dtype for k, t in updates.items()})
+            new = ex.map(updates, one)
         return new, OwnerComputeState(state.count + 1, owned if init_state is not None else None)
 
     out = GradientTransformation(init_fn, _checked(update_fn, check))
