@@ -47,18 +47,27 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _parity(mode="step", dtype=torch.float32, steps=10, layout="per_param", nesterov=True, dim=0, lr=0.02):
+def _schedule(count):
+    return 0.02 / (1 + count)
+
+
+def _parity(mode="step", dtype=torch.float32, steps=10, layout="per_param", nesterov=True, dim=0, lr=0.02,
+            mesh_shape=None):
     """Muon on this rank's shards vs torch.optim.Muon on the unsharded model, fed the same full gradients; returns
-    (max abs difference of the gathered parameters, whether bitwise equal, the owner table)."""
+    (max abs difference of the gathered parameters, whether bitwise equal, the owner table). ``lr``: a float or a
+    schedule (torch's lr set to ``lr(step)`` before each step); ``mesh_shape``: (replicate, shard) for HSDP."""
     model = _model(dtype)
     ref = copy.deepcopy(model)
-    plan = funcshard.plan(model, _mesh(), layout=layout, shard_placement_fn=(lambda n, p: dim) if dim else None)
+    mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else _mesh()
+    plan = funcshard.plan(model, mesh, layout=layout, shard_placement_fn=(lambda n, p: dim) if dim else None)
     state = funcshard.shard(plan)
     rank = plan.shard_group()[1]
     tx = optim.muon(lr, plan=plan, nesterov=nesterov)
     opt_state = tx.init(state)
-    torch_opt = torch.optim.Muon(ref.parameters(), lr=lr, nesterov=nesterov)
+    torch_opt = torch.optim.Muon(ref.parameters(), lr=lr(0) if callable(lr) else lr, nesterov=nesterov)
     for step in range(steps):
+        if callable(lr):
+            torch_opt.param_groups[0]["lr"] = lr(step)
         full = _grads(plan.specs, step, dtype)
         local = {k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}
         if mode == "reversed":  # grads keyed in another order than the params and the state: matched by key
@@ -90,6 +99,14 @@ def test_sharded_equals_torch_muon(world):
     # fp32, 10 steps, uneven shapes (padding), an empty shard at W=4: bit for bit measured (1e-6 asked)
     for diff, equal, _ in run_ranks(world, _parity):
         assert equal and diff == 0.0, diff
+
+
+def test_hsdp_plan_and_lr_schedule():
+    # HSDP (replicate 2 x shard 2): owners within each shard group, both replicas the same; and a schedule lr(count)
+    for diff, equal, owners in run_ranks(4, _parity, "step", mesh_shape=(2, 2)):
+        assert equal, diff
+        assert "over 2 ranks" in owners
+    assert all(e for _, e, _ in run_ranks(2, _parity, "step", lr=_schedule))
 
 
 def test_update_path_dim1_flat_bf16_donate():
