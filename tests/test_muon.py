@@ -390,9 +390,25 @@ def _refuse_tp():
     return None
 
 
+def _refuse_tp_functional():
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 6, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    plan = funcshard.plan(model, mesh["dp"])
+    try:
+        optim.muon(plan=plan).init(funcshard.shard(plan))
+    except funcshard.ShardingError as e:
+        return str(e)
+    return None
+
+
 def test_module_muon_refuses_fsdp_over_tp():
     msg = run_ranks(2, _refuse_tp)[0]
     assert msg is not None and "blocks.0.attn.wq" in msg and "more than one mesh axis" in msg and "Fix:" in msg
+    msg = run_ranks(2, _refuse_tp_functional)[0]  # the functional path: a model-sharded (TP) spec
+    assert msg is not None and "'0.weight' is model-sharded" in msg and "Fix:" in msg
 
 
 def test_module_muon_refuses_non_matrices():
