@@ -438,7 +438,8 @@ def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
     if isinstance(opt_state, optim.OffloadState):
         return opt_state._replace(groups={n: _rebuild(s, filled, step) for n, s in opt_state.groups.items()})
     if isinstance(opt_state, optim.MultiTransformState):
-        return opt_state._replace(inner_states={n: _rebuild(s, filled, step) for n, s in opt_state.inner_states.items()})
+        return opt_state._replace(inner_states={n: _rebuild(s, filled, step)
+                                                for n, s in opt_state.inner_states.items()})
     if optim.is_chain_state(opt_state):
         parts = [_rebuild(s, filled, step) for s in opt_state]
         return tuple(parts) if type(opt_state) is tuple else type(opt_state)(*parts)

@@ -56,7 +56,8 @@ from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOS
                                  Collective, HostCopy, Op, label, schedule)
 from funcshard._spec import ShardingError
 
-__all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs", "sweep"]
+__all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs",
+           "sweep"]
 
 CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "optimizer_state", "comm_buffers", "activations")
 
