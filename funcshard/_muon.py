@@ -160,9 +160,15 @@ class Muon(torch.optim.Optimizer):
             check_hyper("optim.Muon", lr, momentum, weight_decay, ns_coefficients, ns_steps, adjust_lr_fn)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self._plans: dict[int, list] = {}  # param group index -> its parameters by process group, with owners
         super().__init__(params, defaults)
-        self._plans: dict[int, list] = {}
-        for gi, group in enumerate(self.param_groups):
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, the group's parameters checked (2-D, sharded on one mesh axis
+        at most) and given owners; nothing is added when a check fails."""
+        super().add_param_group(param_group)
+        gi, group = len(self.param_groups) - 1, self.param_groups[-1]
+        try:
             check_hyper("optim.Muon", 0.0, group["momentum"], group["weight_decay"], group["ns_coefficients"],
                         group["ns_steps"], group["adjust_lr_fn"])
             names = self._names(gi, group)
@@ -173,6 +179,9 @@ class Muon(torch.optim.Optimizer):
                         f"Fix: give embeddings, norms and biases to another optimizer (torch.optim.AdamW), Muon the "
                         f"hidden matrices")
             self._plans[gi] = self._plan(names, group["params"], group["ns_steps"])
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     @staticmethod
     def _names(gi: int, group: dict) -> list[str]:

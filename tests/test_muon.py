@@ -411,9 +411,23 @@ def test_module_muon_refuses_fsdp_over_tp():
     assert msg is not None and "'0.weight' is model-sharded" in msg and "Fix:" in msg
 
 
-def test_module_muon_refuses_non_matrices():
+def test_module_muon_refuses_non_matrices_and_adds_groups():
     with pytest.raises(ValueError, match=r"parameter norm.bias has shape \(3,\).*AdamW"):
         optim.Muon([("norm.bias", nn.Parameter(torch.zeros(3)))])
+    w, v = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5, 2))
+    w2, v2 = (nn.Parameter(t.detach().clone()) for t in (w, v))
+    opt, ref = optim.Muon([("a.weight", w)], lr=0.02), torch.optim.Muon([w2], lr=0.02)
+    opt.add_param_group({"params": [("b.weight", v)], "lr": 0.01})
+    ref.add_param_group({"params": [v2], "lr": 0.01})
+    with pytest.raises(ValueError, match=r"parameter c.bias has shape \(3,\)"):
+        opt.add_param_group({"params": [("c.bias", nn.Parameter(torch.zeros(3)))]})
+    assert len(opt.param_groups) == 2  # (the refused group was not added)
+    for p, q in ((w, w2), (v, v2)):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(w, w2) and torch.equal(v, v2)
 
 
 def _module_dcp(path, save, kind="fsdp2"):
