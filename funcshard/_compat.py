@@ -144,6 +144,7 @@ reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_s
 
 # ---- the cost model's one-process trace (funcshard/_cost_trace.py): fake tensors and a dispatch mode -------------
 FakeTensorMode = require("torch._subclasses.fake_tensor.FakeTensorMode")  # tensors with shapes, devices, no data
+FakeTensor = require("torch._subclasses.fake_tensor.FakeTensor")  # (the class of its tensors)
 TorchDispatchMode = require("torch.utils._python_dispatch.TorchDispatchMode")  # sees every op below autograd
 # torch.utils.flop_counter's per-op FLOP formulas (FlopCounterMode's table; the module's __all__ has only the mode)
 flop_registry = require("torch.utils.flop_counter.flop_registry")
@@ -207,6 +208,7 @@ __all__ = [
     "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
     "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
+    "FakeTensor",
     "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
     "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable",
 ]

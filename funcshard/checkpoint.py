@@ -71,6 +71,9 @@ def _parts(opt_state: Any, where: str = "opt_state", host: bool | None = None) -
     if isinstance(opt_state, optim.OffloadState):
         return [p for name, s in opt_state.groups.items()
                 for p in _parts(s, f"{where}.groups[{name!r}]", bool(opt_state.pinned))]
+    if isinstance(opt_state, optim.MultiTransformState):  # (each label's state, over its parameters)
+        return [p for name, s in opt_state.inner_states.items()
+                for p in _parts(s, f"{where}.inner_states[{name!r}]", host)]
     if not hasattr(opt_state, "_fields"):
         raise TypeError(f"{where} is a {type(opt_state).__name__}, not a funcshard.optim state; pass what "
                         f"tx.init(state) (or tx.update) returned")
@@ -473,6 +476,9 @@ def _retyped(proto: torch.Tensor | None, t: torch.Tensor, where: str) -> torch.T
 def _rebuild(opt_state: Any, filled: dict, step: int) -> Any:
     if isinstance(opt_state, optim.OffloadState):
         return opt_state._replace(groups={n: _rebuild(s, filled, step) for n, s in opt_state.groups.items()})
+    if isinstance(opt_state, optim.MultiTransformState):
+        return opt_state._replace(inner_states={n: _rebuild(s, filled, step)
+                                                for n, s in opt_state.inner_states.items()})
     if optim.is_chain_state(opt_state):
         parts = [_rebuild(s, filled, step) for s in opt_state]
         return tuple(parts) if type(opt_state) is tuple else type(opt_state)(*parts)

@@ -56,7 +56,8 @@ from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOS
                                  Collective, HostCopy, Op, label, schedule)
 from funcshard._spec import ShardingError, takes_grad
 
-__all__ = ["CATEGORIES", "Cost", "Hardware", "calibrate", "estimate", "fake_mesh", "sweep"]
+__all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs",
+           "sweep"]
 
 CATEGORIES = ("sharded_params", "unsharded_params", "gradients", "optimizer_state", "comm_buffers", "activations")
 """The categories of a rank's memory the estimate reports (``Cost.peak``, ``Cost.max_by_category()``), in print
@@ -257,6 +258,7 @@ class Cost:
     intervals: tuple[Interval, ...] = dataclasses.field(default=(), repr=False)
     traced_on: str = "cpu"
     copies: tuple[HostCopy, ...] = dataclasses.field(default=(), repr=False)
+    owners: tuple = dataclasses.field(default=(), repr=False)  # (OwnerCost per whole-matrix optimizer: see below)
 
     def counts(self) -> dict[str, int]:
         """Collectives per step by kind."""
@@ -318,6 +320,7 @@ class Cost:
         if self.step_s is not None:
             lines.append(f"  step {self.step_s * 1e3:.1f} ms: compute {self.compute_s * 1e3:.1f} ms, collectives "
                          f"{self.comm_s * 1e3:.1f} ms of which {self.exposed_s * 1e3:.1f} ms exposed")
+        lines += [str(o) for o in self.owners]
         return "\n".join(lines)
 
 
@@ -656,7 +659,8 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
                                    (update.offloaded if update is not None else ()) for kind in (HOST_TO_DEVICE,
                                                                                                   DEVICE_TO_HOST))
     return Cost(plan, peak.total, peak, tuple(r.points), tuple(r.collectives), intervals=tuple(r.intervals),
-                traced_on=prof.device, copies=copies, **timing)
+                traced_on=prof.device, copies=copies,
+                owners=owner_costs(plan, optimizer, hardware=hardware) if optimizer is not None else (), **timing)
 
 
 def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | None = None,
@@ -704,3 +708,126 @@ def sweep(module: torch.nn.Module, mesh: DeviceMesh, *args: Any, budget: int | N
                             out.append(c)
     out.sort(key=lambda c: (c.step_s if c.step_s is not None else 0.0, c.peak_bytes))
     return out
+
+
+# ---- whole-matrix optimizers: the owners' exchange and compute (optim.muon, optim.owner_compute) ------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerCost:
+    """What a whole-matrix optimizer's owners cost per step (``optim.muon``, ``optim.owner_compute``, each labelled
+    one of an ``optim.multi_transform``), every rank's figure (the rank is the index).
+
+    Attributes:
+        label: the transformation's label in a ``multi_transform`` ("" alone).
+        owners: the owner table (``optim.Owners``: printable).
+        to_owners_sent / to_owners_received: bytes each rank sends / receives in the all-to-all to the owners (its
+            pieces of the matrices others own / the others' pieces of its own; padding does not travel).
+        back_sent / back_received: the same for the all-to-all back (the owners' results).
+        extra_bytes: each rank's memory beyond the sharded state while it updates, as the pipelined exchange holds
+            it (``Exchange.map``: rounds of one matrix per owner): the result shards (and for Muon the bfloat16 copies
+            of the update shards it sends), plus at the worst round its
+            whole matrix in and out, for Newton-Schulz its Gram-matrix pair (``2 m^2``), and the packed send and
+            receive buffers of the three all-to-alls in flight then (the next round's to the owners, this and the
+            last round's back).
+        flops: each rank's FLOPs on its owned matrices (the table's cost).
+        exchange_s: the all-to-alls' time (``latency_s`` for each, two per round, plus the busiest rank's larger of
+            sent and received bytes each way over ``link_bytes_per_s``), not overlapped with compute in this figure;
+            None without hardware figures.
+        compute_s: each rank's time on its owned matrices (``flops / flops_per_s``); the step waits for the
+            busiest. None without hardware figures.
+    """
+
+    label: str
+    owners: Any
+    to_owners_sent: tuple[int, ...]
+    to_owners_received: tuple[int, ...]
+    back_sent: tuple[int, ...]
+    back_received: tuple[int, ...]
+    extra_bytes: tuple[int, ...]
+    flops: tuple[int, ...]
+    exchange_s: float | None = None
+    compute_s: tuple[float, ...] | None = None
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+        o, w = self.owners, self.owners.world
+        busiest = max(range(w), key=lambda r: self.flops[r])
+        head = f"  owners{f' ({self.label!r})' if self.label else ''}: {len(o.entries)} whole matrices over {w} ranks"
+        lines = [head + f", busiest / mean FLOPs {o.imbalance():.2f} (rank {busiest})",
+                 f"    all-to-all to the owners: up to {mib(max(self.to_owners_sent))} sent, "
+                 f"{mib(max(self.to_owners_received))} received per rank; back: up to {mib(max(self.back_sent))} "
+                 f"sent, {mib(max(self.back_received))} received",
+                 f"    owners' extra memory: up to {mib(max(self.extra_bytes))} (rank "
+                 f"{max(range(w), key=lambda r: self.extra_bytes[r])})"]
+        if self.exchange_s is not None:
+            mean = sum(self.compute_s) / w
+            lines.append(f"    time: exchange {self.exchange_s * 1e3:.2f} ms, owners' compute busiest "
+                         f"{max(self.compute_s) * 1e3:.2f} ms vs mean {mean * 1e3:.2f} ms")
+        return "\n".join(lines)
+
+
+def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
+                keys: Sequence[str] | None = None) -> tuple[OwnerCost, ...]:
+    """The owner exchange and compute of ``optimizer`` per step on ``plan``: one :class:`OwnerCost` per
+    whole-matrix transformation (``optim.muon`` / ``optim.owner_compute``, or those inside an
+    ``optim.multi_transform``; none for other optimizers, or a ``chain`` around one: pass the transformation
+    itself). ``keys``: the parameters given to it (default: the plan's trained floating-point ones).
+    :func:`estimate` includes these (``Cost.owners``)."""
+    if getattr(optimizer, "owners", None) is None:
+        return ()
+    keys = list(_shard_shapes(plan)) if keys is None else list(keys)
+    tables = optimizer.owners(keys)
+    inner = getattr(optimizer, "transforms", None)
+    if inner is not None:
+        todo = [(label, t, getattr(inner[label], "wire_dtype", None)) for label, t in tables.items()]
+    else:
+        todo = [("", tables, getattr(optimizer, "wire_dtype", None))]
+    return tuple(_owner_cost(plan, label, owners, dtype, hardware) for label, owners, dtype in todo if owners.entries)
+
+
+def _owner_cost(plan: Plan, label: str, owners: Any, wire_dtype: torch.dtype | None,
+                hw: Hardware | None) -> OwnerCost:
+    from funcshard._owner import owner_rounds
+
+    w = owners.world
+    out_s, out_r, back_s, back_r, outs = ([0] * w for _ in range(5))
+    size = {e.path: torch.empty((), dtype=wire_dtype or plan.specs[e.path].dtype).element_size()
+            for e in owners.entries}
+    piece = {e.path: [size[e.path] * sum(math.prod(b.sizes) for b in plan.specs[e.path].boxes(r)) for r in range(w)]
+             for e in owners.entries}
+    for e in owners.entries:
+        for r in range(w):
+            outs[r] += piece[e.path][r]  # (the result shards, made when the exchange starts)
+            if r != e.owner:
+                out_s[r] += piece[e.path][r]
+                out_r[e.owner] += piece[e.path][r]
+                back_s[e.owner] += piece[e.path][r]
+                back_r[r] += piece[e.path][r]
+    # the pipelined rounds (``Exchange.map``): while round j computes, round j+1's to-owners all-to-all and rounds
+    # j and j-1's way back are in flight; each all-to-all holds its packed send and receive buffers
+    rounds = owner_rounds(owners, [e.path for e in owners.entries])
+    peak = [0] * w
+    for r in range(w):
+        def packed(j: int) -> int:  # a round's send + receive bytes on rank r (the same both ways)
+            if not 0 <= j < len(rounds):
+                return 0
+            return sum(piece[k][r] for k in rounds[j]) + sum(
+                sum(piece[k]) for k in rounds[j] if owners.owner(k) == r)
+        for j, keys in enumerate(rounds):
+            own = [k for k in keys if owners.owner(k) == r]
+            held = sum(2 * plan.specs[k].numel * size[k] for k in own)  # the whole matrix in, and its result
+            if wire_dtype is not None:  # (Newton-Schulz: X X^T and its update)
+                held += sum(2 * min(plan.specs[k].shape) ** 2 * size[k] for k in own if len(plan.specs[k].shape) == 2)
+            peak[r] = max(peak[r], held + packed(j - 1) + packed(j) + packed(j + 1))
+    copies = outs if wire_dtype is not None else [0] * w  # (Muon: the bf16 copies of the update shards it sends)
+    extra = tuple(outs[r] + copies[r] + peak[r] for r in range(w))
+    flops = tuple(owners.loads())
+    exchange = compute = None
+    if hw is not None:
+        exchange = 0.0 if w == 1 else (2 * len(rounds) * hw.latency_s + max(max(out_s[r], out_r[r]) for r in range(w))
+                                       / hw.link_bytes_per_s + max(max(back_s[r], back_r[r]) for r in range(w))
+                                       / hw.link_bytes_per_s)
+        compute = tuple(f / hw.flops_per_s for f in flops)
+    return OwnerCost(label, owners, tuple(out_s), tuple(out_r), tuple(back_s), tuple(back_r), extra, flops,
+                     exchange, compute)

@@ -1236,3 +1236,404 @@ def offload(tx: GradientTransformation, groups: Any, *, pin_memory: bool = True)
         return run(lambda g, s, p: tx.exact(g, s, p, donate=donate), grads, state, params, donate)
 
     return _torch_optimizer(out, _checked(exact, check), tx.torch_param_group)
+
+
+# --------------------------------------------------------------------------
+# whole-matrix updates over sharded parameters: owner ranks (Muon, Shampoo-like), and routing by label
+# --------------------------------------------------------------------------
+
+import math  # noqa: E402
+
+from funcshard import _muon  # noqa: E402
+from funcshard._muon import Muon  # noqa: E402
+from funcshard._owner import Exchange, Owned, Owners, assign_owners, ns_flops  # noqa: E402
+from funcshard._spec import ShardingError  # noqa: E402
+
+__all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners", "multi_transform", "muon",
+            "owner_compute"]
+
+
+class OwnerComputeState(NamedTuple):
+    """State of :func:`owner_compute`: ``count`` = updates so far; ``owned``: path -> the whole-matrix state of each
+    matrix this rank owns (``init_state``'s), None without ``init_state``. Not sharded like the parameters: each
+    matrix's state lives on its owner only (``funcshard.checkpoint`` does not save it)."""
+
+    count: int
+    owned: Any = None
+
+
+class MultiTransformState(NamedTuple):
+    """State of :func:`multi_transform`: ``inner_states``: label -> the state of that label's transformation (over
+    the parameters with that label)."""
+
+    inner_states: dict
+
+
+torch.serialization.add_safe_globals([OwnerComputeState, MultiTransformState])
+for _cls in (OwnerComputeState, MultiTransformState):
+    _serve(_cls)
+
+
+class _Owning:
+    """A plan's owners and exchanges for the sets of parameters a whole-matrix transformation is given (computed
+    once per set of paths: every rank the same table, from the plan's specs in the params' order)."""
+
+    def __init__(self, plan: Any, where: str, cost: Callable[[tuple[int, ...]], int], matrices: bool):
+        if not (hasattr(plan, "specs") and hasattr(plan, "shard_group")):
+            raise TypeError(f"{where}: plan= must be a funcshard.Plan (funcshard.plan(model, mesh, ...)), got "
+                            f"{type(plan).__name__}")
+        self.plan, self.where, self.cost, self.matrices = plan, where, cost, matrices
+        self._cache: dict[tuple[str, ...], tuple[Owners, Exchange]] = {}
+
+    def check(self, tree: Any, what: str) -> dict:
+        if not isinstance(tree, dict):
+            raise TypeError(f"{self.where}: {what} must be a dict[str, Tensor] keyed by the plan's parameter paths "
+                            f"(funcshard.shard(plan)), got {type(tree).__name__}")
+        specs = self.plan.specs
+        bad = [k for k in tree if k not in specs]
+        if bad:
+            raise ShardingError(f"{self.where}: {what} keys {bad[:8]} are not parameters of the plan (its parameters: "
+                                f"{list(specs)[:8]}...); pass this plan's state (funcshard.shard(plan)) or a subset")
+        for k in tree:
+            s = specs[k]
+            if s.model is not None:
+                raise ShardingError(
+                    f"{self.where}: parameter {k!r} is model-sharded ({s.describe()}): its whole matrix spans the "
+                    f"tensor-parallel ranks too, which this transformation does not assemble. Fix: route it to "
+                    f"another optimizer with optim.multi_transform, or plan the model without tensor parallelism")
+            if self.matrices and len(s.shape) != 2:
+                raise ShardingError(
+                    f"{self.where}: parameter {k!r} has shape {tuple(s.shape)}; Muon updates 2-D matrices only. Fix: "
+                    f"route embeddings, norms and biases to another optimizer: optim.multi_transform({{'muon': "
+                    f"optim.muon(...), 'adamw': optim.adamw(...)}}, labels)")
+            t = tree[k]
+            if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(s.local_shape):
+                raise ShardingError(f"{self.where}: {what}[{k!r}] has shape {tuple(t.shape)}, not this rank's shard "
+                                    f"shape {tuple(s.local_shape)} of {tuple(s.shape)}; pass local shards "
+                                    f"(funcshard.shard(plan))")
+        return tree
+
+    def get(self, keys: Sequence[str]) -> tuple[Owners, Exchange]:
+        keys = tuple(keys)
+        hit = self._cache.get(keys)
+        if hit is None:
+            plan = self.plan
+            specs = {k: plan.specs[k] for k in keys}
+            owners = assign_owners([(k, s.shape, self.cost(s.shape)) for k, s in specs.items()], plan.world)
+            group, rank = plan.shard_group() if plan.world > 1 else (None, 0)
+            hit = self._cache[keys] = (owners, Exchange(specs, owners, group, rank, timeout=plan.timeout,
+                                                        what=self.where))
+        return hit
+
+    def owners(self, params: Any) -> Owners:
+        keys = list(params)
+        self.check({k: None for k in keys}, "params")
+        return self.get(keys)[0]
+
+
+def owner_compute(fn: Callable[[str, torch.Tensor, Any], tuple[torch.Tensor, Any]], *, plan: Any,
+                  init_state: Callable[[str, Any], Any] | None = None,
+                  cost: Callable[[tuple[int, ...]], int] | None = None) -> GradientTransformation:
+    """A transformation that needs each whole matrix (Shampoo, SOAP, a whole-matrix normalisation): every parameter
+    gets an owner rank of the plan's shard axis (longest processing time first over ``cost(shape)``, default ``m *
+    n * min(m, n)``), its update (gradient) shards go there (one all-to-all per dtype), ``fn`` runs there on the whole
+    matrix, and its result comes back as shards (a second all-to-all). No communication code of your own.
+
+    Args:
+        fn: ``fn(path, grad, state) -> (update, new_state)``: ``grad`` the whole matrix (the parameter's global
+            shape, the updates' dtype), ``state`` this matrix's state (``init_state``'s; None without it); the update
+            must have ``grad``'s shape and dtype (else the owner raises and the other ranks time out).
+        plan: the :class:`funcshard.Plan` whose shards the updates are.
+        init_state: ``init_state(path, spec) -> state`` for each matrix, held by its owner only
+            (:class:`OwnerComputeState`; ``funcshard.checkpoint`` does not save it).
+        cost: ``cost(shape) -> FLOPs`` used to balance the owners.
+
+    Returns:
+        A :class:`GradientTransformation` with ``owners(params) -> Owners`` (printable: who owns what).
+    """
+    where = "optim.owner_compute"
+    owning = _Owning(plan, where, cost or (lambda s: math.prod(s) * min(s) if s else 1), matrices=False)
+
+    def init_fn(params: PyTree) -> OwnerComputeState:
+        owning.check(params, "params")
+        if init_state is None:
+            return OwnerComputeState(0, None)
+        owners, ex = owning.get(list(params))
+        return OwnerComputeState(0, {k: init_state(k, plan.specs[k]) for k in owners.owned_by(ex.rank)})
+
+    def check(updates, state, params=None):
+        _check_state(where, state, OwnerComputeState)
+        owning.check(updates, "updates")
+
+    def update_fn(updates, state, params=None, **extra):
+        check(updates, state, params)
+        owners, ex = owning.get(list(updates))
+        if (state.owned is None) != (init_state is None) or (
+                state.owned is not None and set(state.owned) != set(owners.owned_by(ex.rank))):
+            raise ValueError(f"{where}: opt_state does not hold this rank's matrices' states; pass the state "
+                             f"tx.init(params) returned for these same parameters")
+        owned = {}
+
+        def one(k, g):
+            u, owned[k] = fn(k, g, state.owned[k] if state.owned is not None else None)
+            return u
+
+        with torch.no_grad():
+            new = ex.map(updates, one)
+        return new, OwnerComputeState(state.count + 1, owned if init_state is not None else None)
+
+    out = GradientTransformation(init_fn, _checked(update_fn, check))
+    return _with_owners(out, owning.owners)
+
+
+class _OwnersTransformation(GradientTransformation):
+    """A GradientTransformation with ``owners(params) -> Owners`` (instances carry it, as TorchOptimizer's do)."""
+
+
+class _OwnersOptimizer(TorchOptimizer):
+    """A TorchOptimizer with ``owners(params) -> Owners``."""
+
+
+def _with_owners(tx: GradientTransformation, owners: Callable, wire_dtype: torch.dtype | None = None,
+                 transforms: dict | None = None) -> GradientTransformation:
+    """``tx`` with ``owners(params)``; ``wire_dtype``: the dtype its exchange sends (None: the updates'), and, for
+    :func:`multi_transform`, ``transforms`` (label -> transformation): what ``funcshard.cost`` reads."""
+    out = (_OwnersOptimizer if isinstance(tx, TorchOptimizer) else _OwnersTransformation)(tx.init, tx.update)
+    if isinstance(tx, TorchOptimizer):
+        out.exact, out.torch_param_group = tx.exact, tx.torch_param_group
+    out.owners, out.wire_dtype, out.transforms = owners, wire_dtype, transforms
+    return out
+
+
+def muon(
+    lr: ScalarOrSchedule = 1e-3,
+    *,
+    plan: Any,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = _muon.DEFAULT_NS_COEFFICIENTS,
+    eps: float = _muon.EPS,
+    ns_steps: int = _muon.NS_STEPS,
+    adjust_lr_fn: str | None = None,
+) -> GradientTransformation:
+    """``torch.optim.Muon`` (torch 2.13: same arguments, defaults and op order) over sharded 2-D parameters.
+
+    The momentum buffer (torch's ``momentum_buffer``, state :class:`TraceState`: ``count`` steps taken, ``trace``
+    the buffers) is sharded like the parameters, and the momentum and the parameter update run on the shards; only
+    Newton-Schulz needs each whole matrix: its bfloat16 update goes to its owner rank (longest processing time over
+    Newton-Schulz FLOPs; ``tx.owners(params)`` prints the table), which orthogonalizes it and sends the shards back
+    (``owner_compute``'s exchange: two all-to-alls per step). :func:`step` is torch's ``Muon.step`` bit for bit
+    (``p.mul_(1 - lr * wd)``, ``p.add_(O, alpha=-adjusted_lr)``) at any world size, given the same full gradients;
+    ``update`` + :func:`apply_updates` gives ``-lr * wd * p - adjusted_lr * O`` (within rounding). ``adjusted_lr``
+    reads the parameter's global shape. Non-2-D parameters raise naming the path: route them to another optimizer
+    with :func:`multi_transform`. For a bfloat16 parameter with ``nesterov=False`` the buffer is not normalised in
+    place as torch's is (see ``funcshard/_muon.py``).
+
+    Args:
+        lr: learning rate (a float, or a schedule ``schedule(count)``).
+        plan: the :class:`funcshard.Plan` whose shards the params are.
+        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+
+    Returns:
+        A :class:`TorchOptimizer` with ``owners(params) -> Owners``.
+    """
+    where = "optim.muon"
+    _muon.check_hyper(where, lr, momentum, weight_decay, ns_coefficients, ns_steps, adjust_lr_fn)
+    _check_lr(where, lr)
+    owning = _Owning(plan, where, lambda s: ns_flops(s, ns_steps), matrices=True)
+
+    def init_fn(params: PyTree) -> TraceState:
+        owning.check(params, "params")
+        return TraceState(count=0, trace=_zeros_like_tree(where, params))
+
+    def check(updates, state, params=None, need_params=False):
+        _check_state(where, state, TraceState)
+        owning.check(updates, "updates")
+        g, spec = tree_flatten(updates)
+        buf, buf_spec = tree_flatten(state.trace)
+        _check_match(where, "updates", updates, g, spec, "optimizer state", state.trace, buf, buf_spec, _FIX_STATE)
+        keys = list(updates)  # (every rank's order; tree_flatten sorts a dict's keys)
+        p = None
+        if need_params or weight_decay != 0:
+            _require_params(where, params)
+            p, p_spec = tree_flatten(params)
+            _check_match(where, "updates", updates, g, spec, "params", params, p, p_spec, _FIX_PARAMS)
+            p = [params[k] for k in keys]
+        return keys, [updates[k] for k in keys], [state.trace[k] for k in keys], p
+
+    def core(keys, g, buf, donate):
+        """The momentum (sharded) and Newton-Schulz (on the owners): the new buffers and the bfloat16 shards."""
+        _, ex = owning.get(keys)
+        if not donate:
+            old, buf = buf, [t.clone() for t in buf]
+            inherit(old, buf)
+        upd = _muon.momentum_update(g, buf, momentum, nesterov)
+        ortho = _muon.orthogonalize(ex, dict(zip(keys, upd)), ns_coefficients, ns_steps, eps)
+        return buf, [ortho[k] for k in keys], [plan.specs[k].shape for k in keys]
+
+    def update_fn(updates, state, params=None, **extra):
+        donate = extra.get("donate", False)
+        keys, g, buf, p = check(updates, state, params)
+        lr_t = lr(state.count) if callable(lr) else lr
+        with torch.no_grad():
+            buf, ortho, shapes = core(keys, g, buf, donate)
+            out = []
+            for i, (o, shape) in enumerate(zip(ortho, shapes)):
+                u = g[i].copy_(o) if donate else o.to(g[i].dtype)
+                u.mul_(-_muon.adjust_lr(lr_t, adjust_lr_fn, shape))
+                if weight_decay != 0:
+                    u.add_(p[i], alpha=-lr_t * weight_decay)
+                out.append(u)
+        return dict(zip(keys, out)), TraceState(count=state.count + 1, trace=dict(zip(keys, buf)))
+
+    def exact(grads, state, params, donate=False):
+        """``torch.optim.Muon.step`` op for op (its ``_single_tensor_muon``)."""
+        keys, g, buf, p = check(grads, state, params, need_params=True)
+        lr_t = lr(state.count) if callable(lr) else lr
+        with torch.no_grad():
+            buf, ortho, shapes = core(keys, g, buf, donate)
+            new = p if donate else [t.clone() for t in p]
+            _muon.apply_muon(new, ortho, shapes, lr_t, weight_decay, adjust_lr_fn)
+        if not donate:
+            inherit(p, new)
+        new = dict(zip(keys, new))
+        return {k: new[k] for k in params}, TraceState(count=state.count + 1, trace=dict(zip(keys, buf)))
+
+    def param_group(count):
+        return dict(lr=lr(count) if callable(lr) else lr, weight_decay=weight_decay, momentum=momentum,
+                    nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                    adjust_lr_fn=adjust_lr_fn)
+
+    tx = GradientTransformation(init_fn, _checked(update_fn, lambda u, s, p=None: check(u, s, p)))
+    return _with_owners(_torch_optimizer(tx, _checked(exact, lambda g, s, p: check(g, s, p, True)), param_group),
+                        owning.owners, torch.bfloat16)
+
+
+def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, *,
+                    plan: Any = None) -> GradientTransformation:
+    """One optimizer from several, each parameter routed to one by its label (optax's ``multi_transform``), e.g.
+    ``multi_transform({"muon": optim.muon(0.02, plan=plan), "adamw": optim.adamw(3e-4)}, labels)``.
+
+    Args:
+        transforms: label -> transformation. Each is given the params (grads, state) with its label only, as a dict.
+        labels: a dict path -> label for every parameter, or ``labels(path, x) -> label`` where ``x`` is the
+            parameter's :class:`ShardSpec` when ``plan`` is given (its global ``shape``: ``len(x.shape) == 2`` picks
+            matrices in any layout), else the tensor (the params' at ``init``, the updates' at ``update``).
+        plan: the :class:`funcshard.Plan`, for a callable ``labels``.
+
+    Returns:
+        A :class:`GradientTransformation` (state :class:`MultiTransformState`) over ``dict[str, Tensor]`` params; a
+        :class:`TorchOptimizer` when every transformation is one (:func:`step` runs each one's exact step; it has no
+        single torch ``param_groups`` entry: ``torch_param_group`` is None, and a checkpoint holds no
+        ``optim.param_groups``). ``owners(params)`` gives each labelled whole-matrix transformation's
+        :class:`Owners` (label -> Owners). Works in :func:`chain`, with ``donate=True`` (every transformation's
+        inputs checked before any is donated) and with ``funcshard.checkpoint``.
+    """
+    where = "optim.multi_transform"
+    if not isinstance(transforms, dict) or not transforms:
+        raise TypeError(f"{where}: transforms must be a non-empty dict label -> GradientTransformation")
+    for name, t in transforms.items():
+        if not (hasattr(t, "init") and hasattr(t, "update")):
+            raise TypeError(f"{where}: transforms[{name!r}] is a {type(t).__name__}, not a GradientTransformation")
+    if not (isinstance(labels, dict) or callable(labels)):
+        raise TypeError(f"{where}: labels must be a dict path -> label or a callable (path, spec_or_tensor) -> label, "
+                        f"got {type(labels).__name__}")
+    cache: dict[tuple[str, ...], dict[str, str]] = {}
+
+    def label_of(tree: Any, what: str) -> dict[str, str]:
+        if not isinstance(tree, dict):
+            raise TypeError(f"{where}: {what} must be a dict[str, Tensor] (funcshard.shard(plan)), got "
+                            f"{type(tree).__name__}")
+        keys = tuple(tree)
+        hit = cache.get(keys)
+        if hit is not None:
+            return hit
+        out = {}
+        for k in keys:
+            if isinstance(labels, dict):
+                if k not in labels:
+                    raise ValueError(f"{where}: parameter {k!r} has no label; give every parameter one of "
+                                     f"{list(transforms)} in labels")
+                lab = labels[k]
+            else:
+                if plan is not None and k not in plan.specs:
+                    raise ShardingError(f"{where}: {what} key {k!r} is not a parameter of the plan")
+                lab = labels(k, plan.specs[k] if plan is not None else tree[k])
+            if lab not in transforms:
+                raise ValueError(f"{where}: parameter {k!r} is labelled {lab!r}, which names no transformation; the "
+                                 f"labels are {list(transforms)}. Fix: return one of them for it")
+            out[k] = lab
+        if len(cache) < 64:
+            cache[keys] = out
+        return out
+
+    def split(tree: dict, labs: dict[str, str]) -> dict[str, dict]:
+        parts: dict[str, dict] = {name: {} for name in transforms}
+        for k, v in tree.items():
+            parts[labs[k]][k] = v
+        return parts
+
+    def init_fn(params: PyTree) -> MultiTransformState:
+        parts = split(params, label_of(params, "params"))
+        return MultiTransformState({name: t.init(parts[name]) for name, t in transforms.items()})
+
+    def check_state(state):
+        if not isinstance(state, MultiTransformState) or set(state.inner_states) != set(transforms):
+            raise ValueError(f"{where}: expected the MultiTransformState this optimizer's init() returned (labels "
+                             f"{list(transforms)}), got {type(state).__name__}")
+
+    def split_all(updates, state, params):
+        check_state(state)
+        labs = label_of(updates, "updates")
+        ups = split(updates, labs)
+        if params is not None:
+            if not isinstance(params, dict) or set(params) != set(updates):
+                raise ValueError(f"{where}: params must be a dict with the updates' keys; {_FIX_PARAMS}")
+            pars = split(params, labs)
+        else:
+            pars = {name: None for name in transforms}
+        return ups, pars
+
+    def check_all(updates, state, params=None):
+        ups, pars = split_all(updates, state, params)
+        for name, t in transforms.items():
+            _precheck(t, ups[name], state.inner_states[name], pars[name])
+
+    def update_fn(updates, state, params=None, **extra):
+        if extra.get("donate", False):
+            check_all(updates, state, params)  # check first, then donate
+        ups, pars = split_all(updates, state, params)
+        outs, new = {}, {}
+        for name, t in transforms.items():
+            outs[name], new[name] = t.update(ups[name], state.inner_states[name], pars[name], **extra)
+        labs = label_of(updates, "updates")
+        return {k: outs[labs[k]][k] for k in updates}, MultiTransformState(new)
+
+    def owners(params):
+        labs = label_of({k: None for k in params} if not isinstance(params, dict) else params, "params")
+        return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
+                if hasattr(t, "owners")}
+
+    tx = _with_owners(GradientTransformation(init_fn, _checked(update_fn, check_all)), owners,
+                      transforms=dict(transforms))
+    if not all(isinstance(t, TorchOptimizer) for t in transforms.values()):
+        return tx
+
+    def check_exact(grads, state, params):
+        ups, pars = split_all(grads, state, params)
+        _require_params(where, params)
+        for name, t in transforms.items():
+            t.exact.check(ups[name], state.inner_states[name], pars[name])
+        return ups, pars
+
+    def exact(grads, state, params, donate=False):
+        ups, pars = check_exact(grads, state, params) if donate else split_all(grads, state, params)
+        outs, new = {}, {}
+        for name, t in transforms.items():
+            outs[name], new[name] = t.exact(ups[name], state.inner_states[name], pars[name], donate=donate)
+        labs = label_of(grads, "grads")
+        return {k: outs[labs[k]][k] for k in params}, MultiTransformState(new)
+
+    return _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners,
+                        transforms=dict(transforms))

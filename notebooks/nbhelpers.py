@@ -95,8 +95,9 @@ def nbytes(tree) -> int:
 # ---- notebook 1: functional training ----------------------------------------------------------------------
 
 
-def train_functional(steps: int):
-    """funcshard.plan/shard/apply + funcshard.optim on this rank; losses (global mean) and bytes held."""
+def train_functional(steps: int, make_tx=None):
+    """funcshard.plan/shard/apply + funcshard.optim on this rank; losses (global mean) and bytes held. ``make_tx``:
+    ``make_tx(plan)`` gives the optimizer (default AdamW)."""
     import funcshard
     from funcshard import optim
     from funcshard.demo import Block
@@ -107,7 +108,7 @@ def train_functional(steps: int):
     model = gpt()
     plan = funcshard.plan(model, mesh, groups=(Block,))
     state = funcshard.shard(plan)
-    tx = optim.adamw(lr=3e-3, weight_decay=0.1)
+    tx = optim.adamw(lr=3e-3, weight_decay=0.1) if make_tx is None else make_tx(plan)
     opt_state = tx.init(state)
     losses = []
 
@@ -123,7 +124,19 @@ def train_functional(steps: int):
         dist.all_reduce(t)
         losses.append(t.item() / world)
     return {"losses": losses, "params": nbytes(state), "grads": nbytes(grads), "optimizer": nbytes(opt_state),
-            "unsharded_params": nbytes(dict(model.named_parameters()))}
+            "unsharded_params": nbytes(dict(model.named_parameters())),
+            "owners": {k: str(v) for k, v in tx.owners(state).items()} if hasattr(tx, "owners") else None}
+
+
+def muon_adamw(plan):
+    """Muon for the blocks' weight matrices, AdamW for the rest (embeddings, norms, biases): one optimizer."""
+    from funcshard import optim
+
+    def label(path, spec):
+        return "muon" if path.startswith("blocks.") and len(spec.shape) == 2 else "adamw"
+
+    return optim.multi_transform({"muon": optim.muon(0.02, plan=plan), "adamw": optim.adamw(lr=3e-3, weight_decay=0.1)},
+                                 label, plan=plan)
 
 
 # ---- notebook 2: FSDP2 -> funcshard.fully_shard -> the functional API --------------------------------------

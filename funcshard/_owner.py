@@ -1,0 +1,274 @@
+"""Whole-matrix updates over sharded parameters: owner ranks, and the all-to-all to them and back.
+
+Muon, Shampoo, SOAP and Dion need each parameter's whole matrix; a rank holds only its shard. Each matrix gets one
+*owner* rank of the shard group (``assign_owners``: longest processing time first over each matrix's cost, the same
+answer on every rank because it reads only the paths, shapes and costs, in the given order); ``Exchange`` sends every
+rank's piece of each matrix to its owner (one ``all_to_all_single`` per dtype, pieces packed per destination), the
+owner computes the whole matrix's update, and a second all-to-all sends each rank its piece back. A rank's pieces are
+its spec's boxes (``ShardSpec.boxes``: the real elements it holds, padding never travels), so any shard dim, uneven
+sizes and the flat layout are one code path, as in checkpoints. Waits are bounded as every funcshard collective's
+(``_collectives.wait_work``: ``CollectiveTimeout`` naming the exchange). Under fake tensors (``funcshard.cost``'s
+traced update) the buffers are made and no collective runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from funcshard._collectives import public_where, wait_work
+from funcshard._compat import FakeTensor
+from funcshard._spec import Box, ShardingError, ShardSpec
+
+__all__ = ["Exchange", "Owned", "Owners", "assign_owners", "ns_flops", "owner_rounds"]
+
+
+def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
+    """FLOPs of Muon's Newton-Schulz on a matrix of ``shape`` (torch's ``_zeropower_via_newtonschulz``): per step,
+    with ``m = min(shape)``, ``n = max(shape)``: the Gram matrix ``X X^T`` (2 m^2 n), ``b A + c A A`` (2 m^3) and
+    ``a X + B X`` (2 m^2 n)."""
+    m, n = min(shape[0], shape[1]), max(shape[0], shape[1])
+    return ns_steps * (4 * m * m * n + 2 * m**3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Owned:
+    """One matrix's owner: its path, global shape, owner rank (on the shard axis) and cost (FLOPs)."""
+
+    path: str
+    shape: tuple[int, ...]
+    owner: int
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Owners:
+    """Which rank computes each whole matrix. Printable: a table of path, shape, owner, FLOPs, then each rank's
+    total and the busiest rank's share over the mean (1.00: perfectly balanced).
+
+    Attributes:
+        world: ranks on the shard axis.
+        entries: one :class:`Owned` per matrix, in the order given (the parameters' order).
+    """
+
+    world: int
+    entries: tuple[Owned, ...]
+
+    @functools.cached_property
+    def _by_path(self) -> dict[str, Owned]:
+        return {e.path: e for e in self.entries}
+
+    def owner(self, path: str) -> int:
+        """The rank that owns ``path``."""
+        return self._by_path[path].owner
+
+    def owned_by(self, rank: int) -> tuple[str, ...]:
+        """The paths ``rank`` owns, in the entries' order."""
+        return tuple(e.path for e in self.entries if e.owner == rank)
+
+    def loads(self) -> list[int]:
+        """Each rank's total FLOPs."""
+        out = [0] * self.world
+        for e in self.entries:
+            out[e.owner] += e.flops
+        return out
+
+    def imbalance(self) -> float:
+        """The busiest rank's FLOPs over the mean (1.0: balanced; ``world``: one rank does everything)."""
+        loads = self.loads()
+        total = sum(loads)
+        return max(loads) * self.world / total if total else 1.0
+
+    def __str__(self) -> str:
+        w = max([len("parameter"), *(len(e.path) for e in self.entries)])
+        lines = [f"Owners of {len(self.entries)} matrices over {self.world} ranks (longest processing time first, "
+                 f"by FLOPs):", f"  {'parameter':<{w}}  {'shape':>14}  owner  {'FLOPs':>9}"]
+        lines += [f"  {e.path:<{w}}  {str(tuple(e.shape)):>14}  {e.owner:>5}  {e.flops:>9.3g}"
+                  for e in self.entries]
+        loads = self.loads()
+        lines.append("  per rank FLOPs: " + ", ".join(f"{r}: {x:.3g}" for r, x in enumerate(loads)) +
+                     f"; busiest / mean {self.imbalance():.2f}")
+        return "\n".join(lines)
+
+
+def assign_owners(items: Sequence[tuple[str, tuple[int, ...], int]], world: int) -> Owners:
+    """Owners for ``items`` (``(path, shape, cost)``) over ``world`` ranks: longest processing time first (the
+    costliest matrix first, ties in the given order) to the least loaded rank (ties: the lowest rank). Deterministic:
+    every rank computes the same table from the same items."""
+    load = [0] * world
+    owner: dict[int, int] = {}
+    for i in sorted(range(len(items)), key=lambda i: (-items[i][2], i)):
+        r = min(range(world), key=lambda q: (load[q], q))
+        owner[i] = r
+        load[r] += items[i][2]
+    return Owners(world, tuple(Owned(p, tuple(s), owner[i], int(c)) for i, (p, s, c) in enumerate(items)))
+
+
+def owner_rounds(owners: Owners, keys: Sequence[str]) -> list[list[str]]:
+    """``keys`` in the exchange's rounds: round ``j`` holds each owner's ``j``-th matrix (the same on every rank)."""
+    wanted = set(keys)
+    per = [[k for k in owners.owned_by(o) if k in wanted] for o in range(owners.world)]
+    return [[p[j] for p in per if j < len(p)] for j in range(max(map(len, per), default=0))]
+
+
+def _region(full: torch.Tensor, box: Box) -> torch.Tensor:
+    """``box`` as a view of the whole tensor (global coordinates)."""
+    for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
+        full = full.narrow(d, o, n)
+    return full
+
+
+class Exchange:
+    """The all-to-all of whole matrices to their owners and back, for the parameters ``specs`` (path -> spec,
+    every rank the same paths in the same order) over ``group`` (the shard axis's process group; None with one
+    rank), ``rank`` this rank's index on it. ``what`` names it in errors; ``timeout``: the plan's.
+
+    :meth:`map` pipelines: the matrices go in rounds, each round at most one matrix per owner (its ``j``-th), and
+    round ``j + 1``'s all-to-all to the owners and round ``j``'s back run while the owners compute (gloo runs them on
+    its threads; NCCL on its stream), so an owner holds one or two whole matrices at a time, not all of its own.
+    :meth:`to_owners` / :meth:`from_owners` are one round of everything."""
+
+    def __init__(self, specs: Mapping[str, ShardSpec], owners: Owners, group, rank: int, *,
+                 timeout: float | None = None, what: str = "optim.owner_compute"):
+        self.specs, self.owners, self.group, self.rank = dict(specs), owners, group, rank
+        self.world, self.timeout, self.what = owners.world, timeout, what
+        self.boxes = {k: [s.boxes(r) for r in range(self.world)] for k, s in self.specs.items()}
+
+    def _by_dtype(self, tensors: Mapping[str, torch.Tensor] | Mapping[str, torch.dtype]) -> list[tuple[str, list]]:
+        groups: dict[str, list[str]] = {}
+        for k in self.specs:
+            v = tensors[k]
+            groups.setdefault(str(v if isinstance(v, torch.dtype) else v.dtype), []).append(k)
+        return sorted(groups.items())
+
+    def rounds(self, keys: Sequence[str]) -> list[list[str]]:
+        return owner_rounds(self.owners, keys)
+
+    def _start(self, recv: torch.Tensor, send: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               phase: str):
+        if self.group is None or self.world == 1:
+            recv.copy_(send)
+            return None
+        if isinstance(send, FakeTensor):  # (funcshard.cost's traced update: the buffers, no collective)
+            return None
+        where = public_where("all-to-all", f"{self.what} ({phase})", self.group, self.timeout)
+        return dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True), where
+
+    @staticmethod
+    def _wait(pending) -> None:
+        if pending is not None:
+            wait_work(*pending)
+
+    def _to(self, local: Mapping[str, torch.Tensor], keys: Sequence[str]):
+        """Start sending every rank's pieces of ``keys`` (one dtype) to their owners."""
+        r, W, owners = self.rank, self.world, self.owners
+        mine = [k for k in keys if owners.owner(k) == r]
+        parts, in_splits = [], []
+        for o in range(W):
+            n = 0
+            for k in keys:
+                if owners.owner(k) == o:
+                    for b in self.boxes[k][r]:
+                        parts.append(b.view(local[k]).reshape(-1))
+                        n += parts[-1].numel()
+            in_splits.append(n)
+        like = local[keys[0]]
+        out_splits = [sum(math.prod(b.sizes) for k in mine for b in self.boxes[k][s]) for s in range(W)]
+        send = torch.cat(parts) if parts else like.new_empty((0,))
+        recv = like.new_empty((sum(out_splits),))
+        return self._start(recv, send, out_splits, in_splits, "to the owners"), recv, mine, like
+
+    def _to_finish(self, started) -> dict[str, torch.Tensor]:
+        pending, recv, mine, like = started
+        self._wait(pending)
+        fulls = {k: like.new_empty(self.specs[k].shape) for k in mine}
+        off = 0
+        for s in range(self.world):
+            for k in mine:
+                for b in self.boxes[k][s]:
+                    n = math.prod(b.sizes)
+                    _region(fulls[k], b).copy_(recv[off:off + n].view(b.sizes))
+                    off += n
+        return fulls
+
+    def _back(self, fulls: Mapping[str, torch.Tensor], keys: Sequence[str], like: Mapping[str, torch.Tensor],
+              dtype: torch.dtype):
+        """Start sending the owners' results of ``keys`` (``fulls``: this rank's) back as every rank's pieces."""
+        r, W, owners = self.rank, self.world, self.owners
+        for k, t in fulls.items():
+            spec = self.specs[k]
+            if tuple(t.shape) != tuple(spec.shape) or t.dtype != dtype:
+                raise ShardingError(
+                    f"{self.what}: the whole-matrix update of {k!r} is {tuple(t.shape)} {t.dtype}, not the "
+                    f"parameter's {tuple(spec.shape)} {dtype}; return an update of the gradient's shape and dtype "
+                    f"(the other ranks wait for it and time out)")
+        mine = [k for k in keys if owners.owner(k) == r]
+        parts, in_splits = [], []
+        for s in range(W):
+            n = 0
+            for k in mine:
+                for b in self.boxes[k][s]:
+                    parts.append(_region(fulls[k], b).reshape(-1))
+                    n += parts[-1].numel()
+            in_splits.append(n)
+        frm = [k for o in range(W) for k in keys if owners.owner(k) == o]  # (what arrives, in the senders' order)
+        out_splits = [sum(math.prod(b.sizes) for k in keys if owners.owner(k) == o for b in self.boxes[k][r])
+                      for o in range(W)]
+        proto = like[keys[0]]
+        send = torch.cat(parts) if parts else proto.new_empty((0,), dtype=dtype)
+        recv = proto.new_empty((sum(out_splits),), dtype=dtype)
+        return self._start(recv, send, out_splits, in_splits, "back from the owners"), recv, frm
+
+    def _back_finish(self, started, out: dict[str, torch.Tensor]) -> None:
+        pending, recv, frm = started
+        self._wait(pending)
+        off = 0
+        for k in frm:
+            for b in self.boxes[k][self.rank]:
+                n = math.prod(b.sizes)
+                b.view(out[k]).copy_(recv[off:off + n].view(b.sizes))
+                off += n
+
+    def to_owners(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole matrices of the paths this rank owns, from every rank's ``local`` shard (padding ignored)."""
+        fulls: dict[str, torch.Tensor] = {}
+        for _, keys in self._by_dtype(local):
+            fulls.update(self._to_finish(self._to(local, keys)))
+        return fulls
+
+    def from_owners(self, fulls: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor],
+                    dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Every rank's shard (shaped as ``like[path]``, padding zero, dtype ``dtypes[path]``) of the whole matrices
+        the owners computed (``fulls``: this rank's, each of its spec's shape and ``dtypes[path]``)."""
+        out = {k: torch.zeros_like(like[k], dtype=dtypes[k]) for k in self.specs}
+        for _, keys in self._by_dtype(dtypes):
+            self._back_finish(self._back(fulls, keys, like, dtypes[keys[0]]), out)
+        return out
+
+    def map(self, local: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], torch.Tensor],
+            dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+        """``fn(path, whole matrix)`` run on each matrix's owner, the results back as shards shaped like ``local``
+        (``dtypes``: the results' dtypes, default the inputs'), pipelined in rounds (see the class)."""
+        dtypes = {k: t.dtype for k, t in local.items()} if dtypes is None else dtypes
+        out = {k: torch.zeros_like(local[k], dtype=dtypes[k]) for k in self.specs}
+        for _, keys in self._by_dtype(local):
+            rounds, dtype = self.rounds(keys), dtypes[keys[0]]
+            if any(dtypes[k] != dtype for k in keys):
+                raise ShardingError(f"{self.what}: results of one input dtype must share a dtype, got "
+                                    f"{sorted({str(dtypes[k]) for k in keys})}")
+            to, back = self._to(local, rounds[0]), None
+            for j, keys_j in enumerate(rounds):
+                fulls = self._to_finish(to)
+                if j + 1 < len(rounds):
+                    to = self._to(local, rounds[j + 1])  # (in flight while this round computes)
+                started = self._back({k: fn(k, v) for k, v in fulls.items()}, keys_j, local, dtype)
+                if back is not None:
+                    self._back_finish(back, out)
+                back = started
+            self._back_finish(back, out)
+        return {k: out[k] for k in self.specs}
