@@ -164,6 +164,8 @@ def install_phase_wrappers() -> None:
               "pre_backward", "post_backward", "reduce_later", "end_of_backward", "unshard", "wait", "reshard",
               "swap_in", "swap_out"):
         _patch(_runtime.Step, m, RUNTIME)
+        if m != "pre_backward":  # (Step.pre_backward routes to the run's: timed once)
+            _patch(_runtime.GroupRun, m, RUNTIME)
     _patch(_rt_buffers.GroupBuffers, "allocate", RUNTIME)
     _patch(_runtime.Step, "__init__", SETUP)
     _patch(_apply, "check_state", SETUP)

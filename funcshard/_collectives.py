@@ -116,13 +116,14 @@ def check_timeout(timeout: Any, where: str) -> None:
 
 
 class Bound:
-    """A step's bound on its waits over one process group: the timeout (None: unbounded, or a stream fence on NCCL)
-    and the plan's description for messages."""
+    """A step's bound on its waits over one process group: the timeout (None: unbounded, or a stream fence on NCCL),
+    the plan's description for messages, and the API the user called (``"funcshard.apply"``, ``"fully_shard"``; None:
+    the collective's own name says it)."""
 
-    __slots__ = ("pg", "timeout", "seconds", "plan")
+    __slots__ = ("pg", "timeout", "seconds", "plan", "api")
 
-    def __init__(self, pg, seconds: float | None, plan: str):
-        self.pg, self.seconds, self.plan = pg, seconds, plan
+    def __init__(self, pg, seconds: float | None, plan: str, api: str | None = None):
+        self.pg, self.seconds, self.plan, self.api = pg, seconds, plan, api
         host = pg is not None and _host_waits(pg)
         self.timeout = timedelta(seconds=seconds) if seconds is not None and host else None
 
@@ -217,7 +218,7 @@ def wait_work(work, where: Where | None) -> None:
     pg = where.pg if where.pg is not None else where.bound.pg
     if (cause := broken(pg)) is not None:
         raise CollectiveError(f"funcshard: {describe(where)} was not waited for: {pg_desc(pg)} is broken by an "
-                              f"earlier failure ({cause})", repeat=True)
+                              f"earlier failure ({cause})" + _called(where), repeat=True)
     bound = where.bound
     try:
         if bound.timeout is None or pg is not bound.pg and not _host_waits(pg) or work.is_completed():
@@ -289,7 +290,12 @@ def collective_failed(where: Where, pg, error: BaseException | None, timed_out: 
         why = "a collective of it failed"
     _BROKEN[pg] = f"{what} {'timed out' if timed_out else 'failed'}"
     cls = CollectiveTimeout if timed_out else CollectiveError
-    return cls(head + " " + _FIX.format(why=why))
+    return cls(head + " " + _FIX.format(why=why) + _called(where))
+
+
+def _called(where: Where) -> str:
+    """The end of a step's collective error: the API the user called (a public collective names itself)."""
+    return f" (in a step of {where.bound.api})" if where.bound.api else ""
 
 
 def mark_broken(pg, cause: str) -> None:

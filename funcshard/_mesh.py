@@ -177,9 +177,10 @@ def default_fsdp_mesh() -> DeviceMesh:
     return init_device_mesh(acc.type if acc is not None else "cpu", (dist.get_world_size(),))
 
 
-def device_of(mesh: DeviceMesh, api: str) -> torch.device:
+def device_of(mesh: DeviceMesh, api: str = "funcshard") -> torch.device:
     """The device this process computes on for ``mesh``; ``api`` (the function the user called, e.g.
-    ``"funcshard.apply"``) names it in the error for a device this process does not have."""
+    ``"funcshard.apply"``; every caller in funcshard passes its own) names it in the error for a device this process
+    does not have."""
     kind = mesh.device_type
     if kind == "cpu":
         return torch.device("cpu")

@@ -299,9 +299,10 @@ class ShardSpec:
     def dtensor(self, local: torch.Tensor, mesh, placements=None):
         """A DTensor of the global shape over ``local`` (no copy, no check): by default sharded on ``dim`` over the
         spec's ``axis`` of ``mesh`` (the shard axis ``_mesh.dp_axes`` chose when the spec was made) and replicated over
-        the others (``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an HSDP mesh) over the unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and
-        checkpoints present it. A 0-dim parameter (sharded as a 1-element vector): a replicated 0-dim DTensor over
-        ``local`` viewed as 0-dim (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed).
+        the others (``Shard(dim)``, or ``(Replicate(), Shard(dim))`` on an HSDP mesh: ``shard_placements``) over the
+        unpadded part of a rank's shard (``valid_part``), as ``fully_shard``'s parameters and checkpoints present it.
+        A 0-dim parameter (sharded as a 1-element vector): a replicated 0-dim DTensor over ``local`` viewed as 0-dim
+        (``from_local`` takes an empty ``shape`` for "none given", so it cannot be passed).
 
         Args:
             local: this rank's shard (its valid part, as DTensor's ``Shard(dim)`` holds it).

@@ -52,6 +52,7 @@ from funcshard._cost_trace import (
     profile_update,
 )
 from funcshard._plan import ROOT, Plan
+from funcshard._runtime.buffers import Status
 from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, FREE, HOST_TO_DEVICE, REDUCE_SCATTER,
                                  Collective, HostCopy, Op, label, schedule)
 from funcshard._spec import ShardingError, takes_grad
@@ -352,7 +353,7 @@ class _Replay:
         self.flat = plan.layout == "flat"
         self.empty = {g.name for g in plan.groups if not g.params}
         self.sharded = sum(s.local_numel * s.dtype.itemsize for s in plan.specs.values())
-        self.state = {g.name: "sharded" for g in plan.groups}
+        self.state = {g.name: Status.SHARDED for g in plan.groups}  # (the runtime's GroupBuffers.status)
         self.ag_held: dict[str, int] = {}  # all-gather buffers in flight (per-parameter layout)
         self.ag_end: dict[str, float] = {}
         self.unsharded: dict[str, int] = {}
@@ -412,7 +413,7 @@ class _Replay:
     # the runtime's events
     def gather(self, name: str, why: str) -> None:
         """Issue the group's all-gather if it is sharded (``GroupBuffers.issue``)."""
-        if self.state[name] != "sharded" or name in self.empty:
+        if self.state[name] is not Status.SHARDED or name in self.empty:
             return
         if self.rs is not None and self.rs[4]:  # HSDP: the reduce-scatter in flight is taken first (before_gather)
             self.finish_rs()
@@ -423,12 +424,12 @@ class _Replay:
         else:  # (from a k-th kept after forward: into a buffer of its own, copied out, as per parameter)
             self.ag_held[name] = nbytes
         self.ag_end[name] = self.issue(op.collectives)
-        self.state[name] = "gathering"
+        self.state[name] = Status.GATHERING
         self.at(f"all-gather {label(name)} ({why})")
 
     def wait(self, name: str) -> None:
         """``GroupBuffers.wait``: the copy-out into the unsharded buffers, then the all-gather buffer is freed."""
-        if self.state[name] != "gathering":
+        if self.state[name] is not Status.GATHERING:
             return
         self.wait_until(self.ag_end.pop(name), f"all-gather {label(name)}")
         if name in self.ag_held:
@@ -436,7 +437,7 @@ class _Replay:
             self.at(f"copy-out {label(name)}")
             del self.ag_held[name]
         self.post.pop(name, None)  # (the k-th kept after forward was the all-gather's input)
-        self.state[name] = "gathered"
+        self.state[name] = Status.GATHERED
 
     def step_gathers(self, name: str) -> tuple[Collective, ...]:
         """The group's forward all-gather's collectives (the schedule's first all-gather of it)."""
@@ -444,7 +445,7 @@ class _Replay:
 
     def free(self, name: str) -> None:
         self.unsharded.pop(name, None)
-        self.state[name] = "sharded"
+        self.state[name] = Status.SHARDED
 
     def released(self, name: str) -> bool:
         """Whether backward is done with the group (``FrozenRelease.release``): its post-backward ran (or it takes no
@@ -526,7 +527,7 @@ class _Replay:
                 self.reduce_scatter(m.group)
         elif m.kind == INPUTS_DONE:
             self.inputs_done.add(m.group)
-            if g.reshard_after_backward and self.state[m.group] != "sharded" and self.released(m.group):
+            if g.reshard_after_backward and self.state[m.group] is not Status.SHARDED and self.released(m.group):
                 self.free(m.group)
                 self.at(f"free {label(m.group)} (its inputs' gradients are done)")
         st = self.prof.stretches[i]

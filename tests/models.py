@@ -54,14 +54,14 @@ class ScheduleLog:
         from funcshard import _collectives, _pipeline, _runtime
 
         names = (_collectives._AG_NAME, _collectives._RS_NAME)  # torch.distributed's, looked up per call
-        self._saved = (_runtime.Step.unshard, *(getattr(dist, n) for n in names))
+        self._saved = (_runtime.GroupRun.unshard, *(getattr(dist, n) for n in names))
         unshard, ag, rs = self._saved
         log = self.events
 
-        def logged_unshard(step, name):
-            if step.groups[name].status.value == "sharded":
-                log.append(f"AG {name or '<root>'}")
-            return unshard(step, name)
+        def logged_unshard(run):
+            if run.buffers.status.value == "sharded":
+                log.append(f"AG {run.name or '<root>'}")
+            return unshard(run)
 
         def counted(*a, _fn, _kind, **k):
             log.append(_kind)
@@ -73,7 +73,7 @@ class ScheduleLog:
             log.append("RS taken")
             return finish(pending, *args, **kwargs)
 
-        _runtime.Step.unshard = logged_unshard
+        _runtime.GroupRun.unshard = logged_unshard
         _pipeline.PendingReduce.finish = logged_finish
         for n, fn, kind in zip(names, (ag, rs), ("ag", "rs")):
             setattr(dist, n, functools.partial(counted, _fn=fn, _kind=kind))
@@ -82,7 +82,7 @@ class ScheduleLog:
     def __exit__(self, *exc):
         from funcshard import _collectives, _pipeline, _runtime
 
-        _runtime.Step.unshard = self._saved[0]
+        _runtime.GroupRun.unshard = self._saved[0]
         _pipeline.PendingReduce.finish = self._finish
         for n, fn in zip((_collectives._AG_NAME, _collectives._RS_NAME), self._saved[1:]):
             setattr(dist, n, fn)

@@ -1,10 +1,11 @@
 """docs/architecture.md held to the code: the import graph of ``funcshard/`` (read from the sources with ``ast``,
 function-level imports included, ``if TYPE_CHECKING:`` blocks aside) has no cycle and follows the layering the
-document states; every ``module.symbol`` it names exists."""
+document states; every ``module.symbol`` it names exists; no class of ``funcshard/`` is over 300 lines."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
 import re
@@ -14,6 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "funcshard"
 DOC = ROOT / "docs" / "architecture.md"
+MAX_CLASS_LINES = 300  # (issue 30: a class that outgrows this holds more than one job)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -25,6 +27,12 @@ def _modules() -> dict[str, pathlib.Path]:
             parts = parts[:-1]
         out[".".join(parts)] = p
     return out
+
+
+@functools.cache
+def _trees() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed once."""
+    return {name: ast.parse(path.read_text()) for name, path in _modules().items()}
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -41,7 +49,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     mods = _modules()
     graph: dict[str, dict[str, int]] = {}
     for name, path in mods.items():
-        tree = ast.parse(path.read_text())
+        tree = _trees()[name]
         skip = _type_checking_nodes(tree)
         deps: dict[str, int] = {}
         for node in ast.walk(tree):
@@ -137,17 +145,38 @@ def _symbol_owners() -> tuple[dict[str, str], dict[str, list[str]]]:
         if len(full) == 1 and s not in names:
             names[s] = full[0]
     classes: dict[str, list[str]] = {}
-    for name, path in mods.items():
-        for n in ast.parse(path.read_text()).body:
+    for name in mods:
+        for n in _trees()[name].body:
             if isinstance(n, ast.ClassDef):
                 classes.setdefault(n.name, []).append(name)
     return names, classes
 
 
+def _instance_attributes() -> dict[str, set[str]]:
+    """Per class name: the attributes its methods assign on ``self`` (``Step.runs``, ``GroupRun.buffers``)."""
+    out: dict[str, set[str]] = {}
+    for tree in _trees().values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names = out.setdefault(cls.name, set())
+            for n in ast.walk(cls):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+                for t in targets:
+                    for x in ast.walk(t):
+                        if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+                            names.add(x.attr)
+    return out
+
+
+_INSTANCE: dict[str, set[str]] = {}
+
+
 def _resolve(obj, attrs: list[str]) -> bool:
     for a in attrs:
         if not hasattr(obj, a):
-            return False
+            if not _INSTANCE:
+                _INSTANCE.update(_instance_attributes())
+            # an instance attribute of a class, last in the chain (its type is not known statically)
+            return isinstance(obj, type) and a == attrs[-1] and a in _INSTANCE.get(obj.__name__, ())
         obj = getattr(obj, a)
     return True
 
@@ -197,7 +226,18 @@ def test_the_symbol_check_can_fail():
     assert "_collectives" in names and "Step" in classes
     mod = importlib.import_module("funcshard._collectives")
     assert _resolve(mod, ["wait_work"]) and not _resolve(mod, ["no_such_symbol"])
+    step = importlib.import_module("funcshard._runtime.step").Step
+    assert _resolve(step, ["runs"]) and not _resolve(step, ["no_such_attribute"])
     assert _cycle({"a": {"b": 1}, "b": {"a": 2}}) == ["a", "b", "a"]
+
+
+def test_no_class_over_300_lines():
+    big = []
+    for name, tree in _trees().items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{name}.{n.name}: {n.end_lineno - n.lineno + 1} lines")
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
 
 
 @pytest.mark.parametrize("api", ["funcshard.apply", "funcshard.gather", "fully_shard"])

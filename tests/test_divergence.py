@@ -197,6 +197,8 @@ def test_divergence_raises_on_every_rank(path, scenario, rank0, rank1):
         pattern = rank0 if rank == 0 or rank1 == "same" else rank1
         assert re.search(pattern, f"{kind}: {message}", re.S), (rank, kind, message)
         assert intact or kind == "ValueError"  # (a rank's own error: fully_shard's reset_iter_state, as in FSDP2)
+        if kind == "CollectiveTimeout":  # a runtime failure names the API the user called
+            assert message.endswith(f"(in a step of {'funcshard.apply' if path == 'apply' else 'fully_shard'})")
 
 
 _REFUSED = (r"CollectiveError: funcshard: process group .* cannot be used: {}.* in an earlier step, so its collectives "

@@ -969,20 +969,22 @@ def _frozen_gathered_at_once():
     """Most blocks gathered at once in a fully_shard backward, LoRA-style (a frozen weight in every block)."""
     from unittest import mock
 
-    from funcshard._runtime import Step, _Status
+    from funcshard._runtime import GroupRun, _Status
 
     peak, out = [0], []
 
-    def counting(meth):
-        orig = getattr(Step, meth)
+    def counting(meth):  # (every gather and free of a group goes through its run)
+        orig = getattr(GroupRun, meth)
 
         def wrapped(self, *a, **k):
-            peak[0] = max(peak[0], sum(gr.status is not _Status.SHARDED for n, gr in self.groups.items() if n))
+            gathered = sum(gr.status is not _Status.SHARDED for n, gr in self.step.groups.items() if n)
+            peak[0] = max(peak[0], gathered)
             return orig(self, *a, **k)
 
         return wrapped
 
-    with mock.patch.object(Step, "unshard", counting("unshard")), mock.patch.object(Step, "reshard", counting("reshard")):
+    with mock.patch.object(GroupRun, "unshard", counting("unshard")), \
+            mock.patch.object(GroupRun, "reshard", counting("reshard")):
         for frozen in (False, True):
             torch.manual_seed(0)
             m = MLP(layers=6)

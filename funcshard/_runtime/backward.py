@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._collectives import CollectiveError, no_functorch, raw_grads
+from funcshard._collectives import CollectiveError, no_functorch
 from funcshard._pipeline import start_reduce_scatter
 from funcshard._compile import runtime_boundary
 from funcshard._offload import host_reduce
@@ -39,16 +39,17 @@ class ReduceQueue(Part):
 
     def start(self, name: str, grads: list):
         """Free the group (``grads_done``), take the reduce-scatter in flight, then issue the group's (consumes
-        ``grads``: each is dropped once copied into the reduce-scatter input)."""
+        ``grads``, plain tensors (``raw_grads``: the caller made them so once): each is dropped once copied into the
+        reduce-scatter input)."""
         step = self.step
-        gb = step.groups[name]
-        raw_grads(grads)
+        run = step.runs[name]
+        gb = run.buffers
         step.frozen.grads_done(name)
         self.finish()
         step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
         with no_functorch():
-            pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, step.divide_factor(name),
-                                           step.replicate_pg, step.where("reduce-scatter", name), gb.group.comm)
+            pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, run.divide_factor(),
+                                           step.replicate_pg, run.where("reduce-scatter"), gb.group.comm)
             pending = host_reduce(pending, gb.group, gb.device, defer=step.sink is not None)  # (CPU offload)
         if LISTENERS:
             emit("reduce-scatter issued", name, pending)
@@ -107,7 +108,9 @@ class ReduceQueue(Part):
                 raise
 
 
-class _Counts:
+class Counts:
+    """A group's frozen-release counts in a step (``GroupRun.counts``)."""
+
     __slots__ = ("uses", "inputs_left", "nodes", "nodes_left", "unwatched", "counters")
 
     def __init__(self):
@@ -117,13 +120,11 @@ class _Counts:
 
 
 class FrozenRelease(Part):
-    def __init__(self, step: Step):
-        super().__init__(step)
-        self.groups = {name: _Counts() for name in step.groups}
+    """When a group with frozen parameters may be freed in backward (its counts: ``GroupRun.counts``)."""
 
     def node_made(self, name: str) -> None:
         """A gather that made autograd history: one more post-backward to wait for."""
-        c = self.groups[name]
+        c = self.step.runs[name].counts
         c.nodes += 1
         c.nodes_left += 1
 
@@ -135,7 +136,7 @@ class FrozenRelease(Part):
         reason)."""
         if not self.step.groups[name].frozen or not torch.is_grad_enabled():
             return None
-        c = self.groups[name]
+        c = self.step.runs[name].counts
         inputs = grad_inputs(args)
         if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
             c.unwatched = True
@@ -167,26 +168,26 @@ class FrozenRelease(Part):
     def _inputs_done(self, name: str) -> None:
         if self.step is None:  # (a hook that outlived its step: the step's buffers went with it)
             return
-        self.groups[name].inputs_left -= 1
+        self.step.runs[name].counts.inputs_left -= 1
         self.release(name)
 
     def grads_done(self, name: str) -> None:
         """The group's post-backward ran: free it, unless frozen parameters may still be read by backward ops that
         do not reach here (then once every use's inputs are done too)."""
         if not self.step.groups[name].frozen:
-            self.step.free_after_backward(name)
+            self.step.runs[name].free_after_backward()
             return
-        self.groups[name].nodes_left -= 1
+        self.step.runs[name].counts.nodes_left -= 1
         self.release(name)
 
     def release(self, name: str) -> None:
-        c = self.groups[name]
+        c = self.step.runs[name].counts
         if c.inputs_left <= 0 and not c.unwatched and (c.nodes_left <= 0 or not self.step.groups[name].trainable):
-            self.step.free_after_backward(name)
+            self.step.runs[name].free_after_backward()
 
     def backward_ended(self, name: str) -> None:
         """Ready for another backward through a retained graph."""
-        c = self.groups[name]
+        c = self.step.runs[name].counts
         c.inputs_left, c.nodes_left = c.uses, c.nodes
         for k in c.counters:
             k[0] = k[1]
@@ -200,16 +201,17 @@ class Recompute(Part):
     def run(self, name: str, args: tuple = ()) -> None:
         """The group's forward runs again inside backward (activation checkpointing), on ``args``."""
         step = self.step
-        if torch.is_grad_enabled() and (name in self.reentrant or not step.nodes.groups[name].views_grad):
+        if torch.is_grad_enabled() and (name in self.reentrant or not step.runs[name].node.views_grad):
             self.gather(name)  # reentrant: the forward had no grad
             if not step.groups[name].trainable:  # no post-backward frees it: once its inputs' gradients are done
                 inputs = grad_inputs(args)
                 if inputs:
                     torch.autograd.graph.register_multi_grad_hook(
-                        inputs, runtime_boundary(lambda _g, s=weakref.ref(step): (st := s()) and st.free_after_backward(name)))
+                        inputs, runtime_boundary(
+                            lambda _g, s=weakref.ref(step): (st := s()) and st.runs[name].free_after_backward()))
         else:  # the group's pre-backward gathered it
-            step.wait(name)
-            step.swap_in(name)
+            step.runs[name].wait()
+            step.runs[name].swap_in()
 
     def gather(self, name: str) -> None:
         """Reentrant checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``): the group's parameters are
@@ -218,17 +220,18 @@ class Recompute(Part):
         recomputed graph runs the group's post-backward (it reduce-scatters and frees the group), as FSDP2's
         unsharded parameters collect that backward's gradients."""
         step = self.step
+        run = step.runs[name]
         step.begin_backward()
-        step.issue(name)  # (the forward reads them, whatever unshard_in_backward says)
-        step.wait(name)
+        run.issue()  # (the forward reads them, whatever unshard_in_backward says)
+        run.wait()
         step.prefetcher.after(name, backward=True)
-        step.swap_out(name)
-        if step.groups[name].shards:
+        run.swap_out()
+        if run.buffers.shards:
             with torch.enable_grad():
                 step.nodes.gather(name, None)
-        step.nodes.groups[name].views_grad = True
+        run.node.views_grad = True
         self.reentrant.add(name)
-        step.swap_in(name)
+        run.swap_in()
 
 
 def grad_inputs(args: Any) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """Binding a step's parameters to the module: which tensor each parameter slot holds, and when a group's forward
 is over.
 
-- ``Binding``: per group, the (module, attribute) slots of its parameters (every alias of a tied one); ``swap_in``
-  puts the group's unsharded views there, ``swap_out`` puts back what the slots hold at rest: placeholders while
+- ``Slots``: a group's (module, attribute) slots of its parameters (every alias of a tied one; one per group run:
+  ``GroupRun.slots``); ``swap_in`` puts the group's unsharded views there, ``swap_out`` puts back what the slots hold
+  at rest: placeholders while
   ``apply`` runs (a read from outside the group's forward raises instead of silently using the module's stale
   parameters), the module's own parameters otherwise.
 - ``ForwardTracker``: the one rule for "the group's forward is done", for groups of one module and of several
@@ -24,7 +25,9 @@ from funcshard._spec import ShardingError
 from funcshard._tree import module_io_leaves
 
 
-class _Slots:
+class Slots:
+    """A group's parameter slots in the module (see the module docstring)."""
+
     __slots__ = ("slots", "originals", "rest", "swapped", "views", "present")
 
     def __init__(self, slots: list[tuple[nn.Module, str, int]], present: tuple | None = None):
@@ -37,15 +40,9 @@ class _Slots:
         self.views: tuple[torch.Tensor, ...] | None = None
 
 
-class Binding:
-    """Every group's parameter slots in the module."""
-
-    def __init__(self, slots: dict[str, list], present: dict[str, tuple | None] | None = None):
-        self.groups = {name: _Slots(s, (present or {}).get(name)) for name, s in slots.items()}
-
-    def swap_in(self, name: str) -> bool:
+    def swap_in(self) -> bool:
         """Put the group's views on the module (False: it has none)."""
-        b = self.groups[name]
+        b = self
         if b.swapped:
             return True
         views = b.views
@@ -63,17 +60,17 @@ class Binding:
         b.swapped = True
         return True
 
-    def swap_out(self, name: str) -> None:
-        b = self.groups[name]
+    def swap_out(self) -> None:
+        b = self
         if not b.swapped:
             return
         for (mod, attr, _), orig in zip(b.slots, b.rest or b.originals):
             param_slots(mod)[attr] = orig
         b.swapped = False
 
-    def rest(self, name: str, placeholders: list | None) -> None:
+    def set_rest(self, placeholders: list | None) -> None:
         """What the group's slots hold while it is not swapped in (None: the module's own parameters)."""
-        b = self.groups[name]
+        b = self
         if b.originals is None:
             b.originals = [param_slots(mod)[attr] for mod, attr, _ in b.slots]
         b.rest = placeholders

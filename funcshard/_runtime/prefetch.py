@@ -50,7 +50,7 @@ class Prefetcher(Part):
         for other in others:
             if not backward and step.groups[other].status is Status.SHARDED:
                 self.prefetched.add(other)
-            step.unshard(other)
+            step.runs[other].unshard()
 
     def unused(self) -> list[str]:
         """At the end of forward: the groups prefetched but never used (the caller frees them)."""

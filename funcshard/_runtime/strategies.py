@@ -49,24 +49,23 @@ _UNSET = object()
 # ---- per-group _GroupGather nodes ---------------------------------------------------------------------------
 
 
-class _NodeState:
-    __slots__ = ("node", "views_grad", "kept")
+class NodeState:
+    """A group's ``_GroupGather`` state in a step (``GroupRun.node``)."""
 
-    def __init__(self):
+    __slots__ = ("node", "views_grad", "kept", "grads_hook")
+
+    def __init__(self, grads_hook):
         # The _GroupGather node that made the views (weakly), when they carry autograd history: the step holds such
         # views only while it uses them (see Nodes.loosen); the node saved them, so they come back.
         self.node: weakref.ref | None = None
         self.views_grad = False  # whether the views were made with grad enabled (carry autograd history)
         self.kept: list | None = None  # the full gradients the node's pre-hook took over
+        self.grads_hook = grads_hook  # the node's pre-hook (take_grads_hook)
 
 
 class Nodes(Part):
-    """Per group: the ``_GroupGather`` node of the current views, and the gradients it hands the post-backward."""
-
-    def __init__(self, step: Step):
-        super().__init__(step)
-        self.groups = {name: _NodeState() for name in step.groups}
-        self._take_grads_hooks = {name: _take_grads_hook(step, name) for name in step.groups}
+    """A group's gather as a ``_GroupGather`` node (its state: ``GroupRun.node``, a ``NodeState``): the node of the
+    current views, and the gradients it hands the post-backward."""
 
     def gather(self, name: str, token: torch.Tensor | None, count: bool = True) -> None:
         """The group's unsharded parameters as outputs of a new _GroupGather node (its backward runs the group's
@@ -79,23 +78,25 @@ class Nodes(Part):
         else:
             with _saving_views():
                 views = _apply(_GroupGatherEager, step, name, token, *shards)
-        step.binding.groups[name].views = views
+        run = step.runs[name]
+        run.slots.views = views
         node = next((v.grad_fn for v in views if v.grad_fn is not None), None)
         if node is not None:
-            self.groups[name].node = weakref.ref(node)
-            node.register_prehook(self._take_grads_hooks[name])
+            run.node.node = weakref.ref(node)
+            node.register_prehook(run.node.grads_hook)
             if count:
                 step.frozen.node_made(name)
 
     def gather_jvp(self, name: str) -> None:
         step = self.step
-        step.binding.groups[name].views = _GroupGather.apply(
+        step.runs[name].slots.views = _GroupGather.apply(
             step, name, None, *[step.state[p] for p in step.groups[name].group.params])
 
     def saved_views(self, name: str) -> tuple[torch.Tensor, ...] | None:
         """The group's autograd-visible views again, from the node that made them (None: its graph is gone or was
         freed by a backward, so no forward or backward can use them any more)."""
-        ns, b = self.groups[name], self.step.binding.groups[name]
+        run = self.step.runs[name]
+        ns, b = run.node, run.slots
         node = ns.node() if ns.node is not None else None
         if node is None:
             return None
@@ -108,25 +109,26 @@ class Nodes(Part):
     def loosen(self, name: str) -> None:
         """Let go of views that carry autograd history once the forward (or backward) is done with them: they
         would keep the graph, and through it the step, alive."""
-        b = self.step.binding.groups[name]
-        if self.groups[name].node is not None and not b.swapped:
+        run = self.step.runs[name]
+        b = run.slots
+        if run.node.node is not None and not b.swapped:
             b.views = None
 
     def take_grads(self, name: str, grads: tuple) -> tuple:
         """The node's pre-hook: keep the group's full gradients and hand autograd undefined ones, so that the
         reduce-scatter in the node's backward holds the only reference and frees each gradient once it is copied
         into the reduce-scatter input, before the output is allocated (FSDP2's order)."""
-        self.groups[name].kept = list(grads)
+        self.step.runs[name].node.kept = list(grads)
         return (None,) * len(grads)
 
     def given_grads(self, name: str, grads: tuple) -> list:
         """The gradients for the group's post-backward: those the pre-hook kept, or (no pre-hook) these."""
-        ns = self.groups[name]
+        ns = self.step.runs[name].node
         kept, ns.kept = ns.kept, None
         return kept if kept is not None else list(grads)
 
 
-def _take_grads_hook(step: Step, name: str):
+def take_grads_hook(step: Step, name: str):
     ref = weakref.ref(step)  # the graph keeps the step alive through the node's context
 
     def hook(grads):
@@ -143,7 +145,7 @@ class _GroupGather(torch.autograd.Function):
 
     @staticmethod
     def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):
-        step.wait(name)
+        step.runs[name].wait()
         return step.groups[name].views()
 
     @staticmethod
@@ -160,9 +162,9 @@ class _GroupGather(torch.autograd.Function):
         if torch.is_grad_enabled():  # a backward with create_graph=True
             _warn_first_order()
         if ctx.token:
-            step.reduce_later(ctx.name, grads, step.relay)
+            step.runs[ctx.name].reduce_later(grads, step.relay)
             return (None, None, step.relay.token_zero, *[None] * len(grads))
-        return (None, None, None, *step.post_backward(ctx.name, grads))
+        return (None, None, None, *step.runs[ctx.name].post_backward(grads))
 
     @staticmethod
     def jvp(ctx, _step, _name, _token, *tangents):
@@ -285,7 +287,9 @@ class Relay(Part):
 # ---- the whole-step gather (under a torch.func grad transform) ----------------------------------------------
 
 
-class _FusedState:
+class FusedState:
+    """A group's part of the whole-step gather (``GroupRun.fused``)."""
+
     __slots__ = ("outs", "hooked", "task", "expect", "grads", "got", "grad_shards", "ran")
 
     def __init__(self):
@@ -302,7 +306,6 @@ class _FusedState:
 class Fused(Part):
     def __init__(self, step: Step):
         super().__init__(step)
-        self.groups = {name: _FusedState() for name in step.groups}
         self._zeros: dict = {}
         self.keeper: list | None = None  # during forward: where the hooked views go when it ends (end_forward)
 
@@ -314,12 +317,12 @@ class Fused(Part):
         k = 0
         for name, gb in step.groups.items():
             n = len(gb.shards)
-            self.groups[name].outs, k = outs[k : k + n], k + n
+            self.step.runs[name].fused.outs, k = outs[k : k + n], k + n
 
     def views(self, name: str) -> tuple[torch.Tensor, ...]:
         """The group's views for a forward use: plain outputs under no_grad; else the hooked views (made once per
         step: a group used again later reuses them, and its gradients add up)."""
-        fs = self.groups[name]
+        fs = self.step.runs[name].fused
         if not torch.is_grad_enabled():  # e.g. a no-grad recycling pass: no history, no hooks
             return fs.outs
         if fs.hooked is None:
@@ -333,7 +336,7 @@ class Fused(Part):
         unlike a hook on the Function's outputs, which would wait for the end of backward."""
         ref = weakref.ref(self.step)
         views = []
-        for i, out in enumerate(self.groups[name].outs):
+        for i, out in enumerate(self.step.runs[name].fused.outs):
             if out.requires_grad:
                 out = torch.ops.aten.alias(out)  # AliasBackward passes any gradient on (sparse too)
                 out.register_hook(_param_grad_hook(ref, name, i))
@@ -349,19 +352,20 @@ class Fused(Part):
         keeper, self.keeper = self.keeper, None
         if keeper is None:
             return None
-        for name, fs in self.groups.items():
+        for run in self.step.runs.values():
+            fs = run.fused
             if fs.hooked is not None and not any(isinstance(v, weakref.ref) for v in fs.hooked):
                 keeper.extend(v for v in fs.hooked if v is not None)
                 fs.hooked = tuple(None if v is None else weakref.ref(v) for v in fs.hooked)
             fs.outs = None
-            self.step.binding.groups[name].views = None
+            run.slots.views = None
         return keeper
 
     def param_grad(self, name: str, i: int, grad: torch.Tensor) -> torch.Tensor:
         """One parameter's complete gradient. The group's last one runs its post-backward; the gradient goes on to
         _StepGather's backward as zeros without storage, so the full gradients are freed as soon as the
         reduce-scatter has read them."""
-        fs = self.groups[name]
+        fs = self.step.runs[name].fused
         task = _graph_task_id()
         if fs.task != task:  # the group's first gradient in this backward (what an aborted one left is dropped)
             check_backward_transforms("funcshard.apply")
@@ -374,11 +378,11 @@ class Fused(Part):
             self._complete(name, fs)
         return None if grad is None else self._zeros_like(grad)
 
-    def _complete(self, name: str, fs: _FusedState) -> None:
+    def _complete(self, name: str, fs: FusedState) -> None:
         """The group's gradients of this backward are all in: its post-backward."""
         fs.ran = [g is not _UNSET for g in fs.grads]
         grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
-        fs.grad_shards = self.step.post_backward(name, grads)  # None: undefined (e.g. a custom Function's)
+        fs.grad_shards = self.step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
 
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
@@ -395,7 +399,7 @@ class Fused(Part):
         return zeros
 
     @staticmethod
-    def _expected(fs: _FusedState) -> int:
+    def _expected(fs: FusedState) -> int:
         """How many of the group's hooked views get a gradient in the running backward."""
         n = 0
         for k, ref in enumerate(fs.hooked):
@@ -427,7 +431,7 @@ class Fused(Part):
         task = _graph_task_id()
         for name, gb in self.step.groups.items():
             if gb.shards:
-                fs = self.groups[name]
+                fs = self.step.runs[name].fused
                 if fs.task == task and fs.grads is not None:  # fewer gradients came than _expected counted
                     self._complete(name, fs)
                 done = fs.grad_shards is not None and fs.task == task
@@ -439,7 +443,8 @@ class Fused(Part):
         """The graph holds _StepGather's node, which holds the step: strong references from the step back into the
         graph (the views) would be a cycle Python's collector cannot see through. A later backward through the same
         graph (vjp_fn called again) finds the views through weak references, or counts as this backward did."""
-        fs, b = self.groups[name], self.step.binding.groups[name]
+        run = self.step.runs[name]
+        fs, b = run.fused, run.slots
         if b.views is not None and fs.hooked is not None:
             fs.hooked = tuple(None if v is None else weakref.ref(v) for v in fs.hooked)
             b.views = fs.outs = None

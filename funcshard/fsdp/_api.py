@@ -149,7 +149,7 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         if in_forward and not step.tracker.is_open(name):
             # a group left gathered after its forward (reshard_after_forward=False; the root by default) shows its
             # unsharded parameters on the module until it is resharded, as FSDP2 registers them
-            step.register_unsharded(name)
+            step.runs[name].register_unsharded()
     elif unit.mp_policy.output_dtype is not None:  # (a unit without parameters: its policy's cast, as in FSDP2)
         output = cast_floating(unit.mp_policy.output_dtype, output)
     if ctx.fwd_root is unit and ctx.fwd_module is module:  # the call that began this forward returns
@@ -157,9 +157,9 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
         if name is None:  # a parameterless root (no unit group): its outputs get the root group's pre-backward hook,
             # as apply's do, so this step's backward is marked where it starts (Step.last_pre_backward), before any
             # recomputation in the root's region
-            output = step.wrap_for_backward(ROOT, output)
+            output = step.runs[ROOT].wrap_for_backward(output)
         for g in step.groups:  # (those finished there and left gathered: registered as above)
-            step.register_unsharded(g)
+            step.runs[g].register_unsharded()
     return output
 
 
@@ -203,8 +203,8 @@ class _UnshardHandleImpl(UnshardHandle):
         step, name, self._step = self._step, self._name, None
         if step is None or name is None:
             return
-        step.wait(name)
-        step.register_unsharded(name)
+        step.runs[name].wait()
+        step.runs[name].register_unsharded()
 
 
 class FSDPModule:
@@ -237,7 +237,7 @@ class FSDPModule:
         busy = ctx.fwd_root is not None or (ctx.step is not None and ctx.step.backward_started)
         step = ctx.step if busy else ctx.begin(fresh=True)
         if unit.group is not None:
-            step.unshard(unit.group)
+            step.runs[unit.group].unshard()
         handle = _UnshardHandleImpl(step, unit.group)
         if async_op:
             return handle
@@ -249,7 +249,7 @@ class FSDPModule:
         """Free the unsharded parameters and register the sharded ones (not recursive)."""
         unit = unit_of(self)
         if unit.ctx is not None and not unit.ctx.stale and unit.ctx.step is not None and unit.group is not None:
-            unit.ctx.step.release(unit.group)
+            unit.ctx.step.runs[unit.group].release()
 
     @_no_inference_tensors
     def reset_iter_state(self) -> None:
