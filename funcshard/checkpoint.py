@@ -294,11 +294,11 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     """
     import torch.distributed.checkpoint as dcp
 
-    from funcshard._checkpoint_commit import check_committed
+    from funcshard._checkpoint_commit import check_committed, checked_metadata, load_error
 
     check_committed(checkpoint_id)
     reader = dcp.FileSystemReader(checkpoint_id)
-    md = reader.read_metadata().state_dict_metadata
+    md = checked_metadata(checkpoint_id, reader).state_dict_metadata
     specs, rank, mesh, device = plan.specs, _rank(plan), plan.mesh, device_of(plan.mesh)
     problems: list[str] = []
     keys = {}  # parameter path -> the name it has in the checkpoint (its first alias present there)
@@ -350,7 +350,10 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
             for k in tree:
                 sd[OPTIM]["state"].setdefault(k, {})[t.name] = present(specs[k], tree[k], mesh, rank)
     dcp_kwargs.setdefault("process_group", _dcp_group(plan))
-    dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    try:
+        dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    except dcp.CheckpointException as e:
+        raise load_error(checkpoint_id, e) from None
     if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
         # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
         steps = {float(sd[OPTIM]["state"][k]["step"]) for k in stepped} or {1.0 if trees else 0.0}
