@@ -8,6 +8,7 @@ forward, prefetch depth, explicit prefetch lists, gradient divide factor. The ru
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -684,9 +685,13 @@ def _check_schedule(p: Plan) -> None:
                                     f"precision uses torch.bfloat16, torch.float16 or torch.float32 (None: no cast)")
         if p.layout == "flat" and g.param_dtype is not None:
             _check_flat_precision(p, g)
-    if p.forward_prefetch < 0 or p.backward_prefetch < 0:
+    if p.layout not in ("per_param", "flat"):
+        raise ShardingError(f"layout={p.layout!r}: use 'per_param' or 'flat' (chosen when the specs are made: "
+                            f"funcshard.plan(..., layout=...))")
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in (p.forward_prefetch, p.backward_prefetch)):
         raise ShardingError(
-            f"prefetch depths must be >= 0, got forward {p.forward_prefetch}, backward {p.backward_prefetch}"
+            f"prefetch depths must be ints >= 0 (groups ahead), got forward {p.forward_prefetch!r}, backward "
+            f"{p.backward_prefetch!r}"
         )
     for kind, lists in (("forward", p.forward_prefetch_lists), ("backward", p.backward_prefetch_lists)):
         for k, v in lists.items():
@@ -713,8 +718,10 @@ def _check_schedule(p: Plan) -> None:
     if missing:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
     check_timeout(p.timeout, "plan")
-    if p.grad_divide_factor is not None and not p.grad_divide_factor > 0:
-        raise ShardingError(f"grad_divide_factor must be > 0, got {p.grad_divide_factor}")
+    f = p.grad_divide_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf):
+        raise ShardingError(f"grad_divide_factor must be a finite number > 0 (None: the data-parallel size), got "
+                            f"{f!r}")
 
 
 def _check_flat_precision(p: Plan, g: Group) -> None:
