@@ -91,6 +91,47 @@ def check_committed(path: str | os.PathLike) -> None:
                             f"that did not finish, or not a checkpoint)")
 
 
+def checked_metadata(path: str | os.PathLike, reader) -> object:
+    """DCP's metadata of the committed checkpoint at ``path`` (``reader``: its ``FileSystemReader``), once every file
+    it names is there and holds the bytes it names: a damaged checkpoint (its metadata unreadable, a file deleted or
+    truncated) is refused naming the file, on every rank (each looks at every file) and before anything is read."""
+    p = Path(path)
+    try:
+        md = reader.read_metadata()
+    except Exception as e:  # (a truncated pickle: EOFError, UnpicklingError, ...)
+        raise ShardingError(
+            f"checkpoint {path}: its metadata {p / METADATA} cannot be read ({type(e).__name__}: {e}): the file is "
+            f"damaged (truncated or overwritten). Nothing was loaded; load another checkpoint (e.g. the previous "
+            f"save's) or save this one again") from None
+    need: dict[str, int] = {}  # file -> the bytes the metadata reads from it
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for rel, n in sorted(need.items()):
+        try:
+            size = (p / rel).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"  {p / rel}: missing (the metadata reads {n} bytes from it)")
+            continue
+        if size < n:
+            problems.append(f"  {p / rel}: {size} bytes, the metadata reads {n} (truncated)")
+    if problems:
+        raise ShardingError(f"checkpoint {path} is damaged: files its metadata names are missing or short:\n"
+                            + "\n".join(problems) + "\nNothing was loaded; load another checkpoint (e.g. the "
+                            "previous save's), or restore the files")
+    return md
+
+
+def load_error(path: str | os.PathLike, error: BaseException) -> ShardingError:
+    """DCP's ``CheckpointException`` (a ``BaseException``: ``except Exception`` missed it, and its message was only
+    "ranks: dict_keys([0, 1])") as a ShardingError naming each rank's failure."""
+    failures = getattr(error, "failures", None) or {}
+    told = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                     for r, e in sorted(failures.items())) or f"{type(error).__name__}: {error}"
+    return ShardingError(f"checkpoint {path} could not be read ({told}); the checkpoint is damaged or not this "
+                         f"model's. Nothing passed in was changed; load another checkpoint (e.g. the previous save's)")
+
+
 class Staged(AsyncStager):
     """DCP's stager for a state dict that is already a copy (``funcshard.checkpoint.async_save`` copies the shards
     itself: DCP's default stager copies each DTensor without the checkpoint protocol the flat layout's pieces and

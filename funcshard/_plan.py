@@ -8,6 +8,7 @@ forward, prefetch depth, explicit prefetch lists, gradient divide factor. The ru
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -698,7 +699,39 @@ def _mp_fields(policy: Any, where: str) -> dict[str, Any]:
     return {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")}
 
 
+def _check_groups(p: Plan) -> None:
+    """The groups name the plan's parameters and the module's modules, each group once, the root group first: an
+    edit (``Plan.replace``) that does not would fail later, inside a step, with a KeyError or AttributeError."""
+    if not p.groups or not p.groups[0].is_root:
+        raise ShardingError(f"the plan's first group must be the root group (name {ROOT!r}, modules ('',)); got "
+                            f"{[g.name for g in p.groups[:1]]}. Keep plan.groups[0] when editing the groups")
+    names = [g.name for g in p.groups]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ShardingError(f"groups {twice} appear more than once in the plan; each group name once (merge them, or "
+                            f"edit the existing group with plan.with_group)")
+    modules = None if p.module is None else {n for n, _ in p.module.named_modules()}
+    for g in p.groups:
+        unknown = [q for q in g.params if q not in p.specs]
+        if unknown:
+            raise ShardingError(
+                f"group {label(g.name)!r} names parameters {unknown} that the plan does not shard (not parameters "
+                f"of {type(p.module).__name__}, or not canonical paths; known: {_some(p.specs)}); name parameters by "
+                f"their path from the planned module, e.g. plan.specs' keys")
+        if modules is not None and (gone := [m for m in g.modules if m not in modules]):
+            raise ShardingError(
+                f"group {label(g.name)!r} names modules {gone} that {type(p.module).__name__} does not have "
+                f"(known: {_some(modules)}); name modules by their path from the planned module "
+                f"(module.named_modules())")
+
+
+def _some(names) -> str:
+    names = sorted(names)
+    return f"{names[:6]}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
+
+
 def _check_schedule(p: Plan) -> None:
+    _check_groups(p)
     names = {g.name for g in p.groups}
     for g in p.groups:
         check_comm(g.comm, f"group {label(g.name)!r}")
@@ -709,9 +742,13 @@ def _check_schedule(p: Plan) -> None:
                                     f"precision uses torch.bfloat16, torch.float16 or torch.float32 (None: no cast)")
         if p.layout == "flat" and g.param_dtype is not None:
             _check_flat_precision(p, g)
-    if p.forward_prefetch < 0 or p.backward_prefetch < 0:
+    if p.layout not in ("per_param", "flat"):
+        raise ShardingError(f"layout={p.layout!r}: use 'per_param' or 'flat' (chosen when the specs are made: "
+                            f"funcshard.plan(..., layout=...))")
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in (p.forward_prefetch, p.backward_prefetch)):
         raise ShardingError(
-            f"prefetch depths must be >= 0, got forward {p.forward_prefetch}, backward {p.backward_prefetch}"
+            f"prefetch depths must be ints >= 0 (groups ahead), got forward {p.forward_prefetch!r}, backward "
+            f"{p.backward_prefetch!r}"
         )
     for kind, lists in (("forward", p.forward_prefetch_lists), ("backward", p.backward_prefetch_lists)):
         for k, v in lists.items():
@@ -738,8 +775,10 @@ def _check_schedule(p: Plan) -> None:
     if missing:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
     check_timeout(p.timeout, "plan")
-    if p.grad_divide_factor is not None and not p.grad_divide_factor > 0:
-        raise ShardingError(f"grad_divide_factor must be > 0, got {p.grad_divide_factor}")
+    f = p.grad_divide_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf):
+        raise ShardingError(f"grad_divide_factor must be a finite number > 0 (None: the data-parallel size), got "
+                            f"{f!r}")
 
 
 def _check_flat_precision(p: Plan, g: Group) -> None:

@@ -111,10 +111,14 @@ def shard(plan: Plan, params: Mapping[str, torch.Tensor] | None = None) -> dict[
             problems.append(f"  {k}: {why}")
         elif spec.model is None and tuple(v.shape) != spec.shape:
             problems.append(f"  {k}: shape {tuple(v.shape)}, the plan expects {spec.shape}")
+        elif v.dtype != spec.dtype:  # (cast silently before; FSDP2 shards a parameter in its own dtype)
+            problems.append(f"  {k}: dtype {v.dtype}, the plan's is {spec.dtype} (the planned module's parameter)")
     problems += [f"  {k}: missing" for k in plan.specs if k not in params]
     if problems:
         raise _fail(plan, "cannot shard these parameters", problems,
-                    "Pass one full tensor per parameter of the planned module (see plan.specs).")
+                    "Pass one full tensor per parameter of the planned module (see plan.specs), in its dtype: cast "
+                    "them (v.to(plan.specs[k].dtype)), or plan a module of their dtype (e.g. module.double()) to "
+                    "train in it.")
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     with torch.no_grad():
         out = {k: spec.local_shard(_local(spec, raw(params[k])).to(spec.dtype), rank) for k, spec in plan.specs.items()}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -193,7 +194,6 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
 
 
 _pending: list[Future] = []  # the async save in flight on this process (at most one)
-_async_groups: dict[int, Any] = {}  # id(default process group) -> the gloo group async saves write over
 
 
 _part_groups: dict[tuple, Any] = {}  # (id(world), backend, ranks) -> a group over a part of the world's ranks
@@ -213,6 +213,46 @@ def _dcp_group(plan: Plan, backend: str | None = None):
     if pg is None:  # (only the part's ranks take part in making it)
         pg = _part_groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return pg
+
+
+def _save_group(plan: Plan):
+    """The gloo group a save's DCP collectives run over (``save`` and ``async_save``): the mesh's ranks, each wait
+    bounded by the plan's timeout, so that a rank that dies or stalls mid-save ends the others' save within the bound
+    (over the default group it took that group's own timeout: 30 min by default, 60 s in the tests), and apart from
+    the training's groups (an async save's collectives run in its thread beside the step's)."""
+    import torch.distributed as dist
+
+    from funcshard._collectives import resolve_timeout
+
+    ranks = tuple(sorted(set(root_mesh(plan.mesh).mesh.flatten().tolist())))
+    seconds = resolve_timeout(plan.timeout)
+    key = (id(dist.group.WORLD), "save", ranks, seconds)
+    pg = _part_groups.get(key)
+    if pg is None:  # (only the mesh's ranks take part in making it)
+        kw = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
+        pg = _part_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kw)
+    return pg
+
+
+def _save_failed(checkpoint_id: str, error: BaseException, pg) -> BaseException:
+    """What a save that failed inside DCP raises: a peer that died or stalled mid-save (gloo's "Connection reset by
+    peer" or its timeout, as a RuntimeError, or DCP's CheckpointException, a BaseException that ``except Exception``
+    misses) as a CollectiveError naming the checkpoint; other errors (a disk's OSError) as they were. The save's
+    group is dropped: its collectives may be left unpaired (the next save makes another)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from funcshard._collectives import CollectiveError
+
+    for key in [k for k, v in _part_groups.items() if v is pg]:
+        del _part_groups[key]
+    if isinstance(error, CollectiveError) or not isinstance(error, (RuntimeError, CheckpointException)):
+        return error
+    text = str(error).strip().splitlines()
+    return CollectiveError(
+        f"funcshard: checkpoint save to {checkpoint_id} failed on this rank ({type(error).__name__}: "
+        f"{text[-1] if text else ''}): a rank died or stalled during the save (each wait is bounded by the plan's "
+        f"timeout), or DCP failed on a rank. Nothing was committed: {checkpoint_id} is the previous checkpoint, if "
+        f"there was one. Restart the job and resume from it")
 
 
 def _wait_pending() -> None:
@@ -245,8 +285,12 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     from funcshard._checkpoint_commit import CommittingWriter
 
     _wait_pending()
-    dcp_kwargs.setdefault("process_group", _dcp_group(plan))
-    dcp.save(state_dict(plan, state, opt_state, tx=tx), storage_writer=CommittingWriter(checkpoint_id), **dcp_kwargs)
+    dcp_kwargs.setdefault("process_group", _save_group(plan))
+    sd = state_dict(plan, state, opt_state, tx=tx)
+    try:
+        dcp.save(sd, storage_writer=CommittingWriter(checkpoint_id), **dcp_kwargs)
+    except BaseException as e:
+        raise _save_failed(checkpoint_id, e, dcp_kwargs["process_group"]) from e
 
 
 def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
@@ -267,7 +311,6 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
         tx: the optimizer (``optim.adamw`` / ``optim.sgd`` / a chain ending in one): it gives torch's ``param_groups``;
             required with ``opt_state``.
     """
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from funcshard._checkpoint_commit import CommittingWriter, Staged
@@ -275,15 +318,18 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     _wait_pending()
     with torch.no_grad():  # the snapshot (DCP's own stager copies each DTensor without the pieces' protocol)
         sd = _state_dict(plan, state, opt_state, tx, copy=lambda t: t.detach().clone())
-    world = dist.group.WORLD
-    pg = _dcp_group(plan, "gloo")  # (a part of the world: a gloo group of its ranks)
-    if pg is None:
-        pg = _async_groups.get(id(world))
-    if pg is None:  # DCP's collectives in the writing thread must not share a group with the training's
-        _async_groups.clear()
-        pg = _async_groups[id(world)] = dist.new_group(backend="gloo")
-    future = dcp.async_save(sd, storage_writer=CommittingWriter(checkpoint_id), process_group=pg,
-                            async_stager=Staged())
+    pg = _save_group(plan)
+    written = dcp.async_save(sd, storage_writer=CommittingWriter(checkpoint_id), process_group=pg,
+                             async_stager=Staged())
+    future: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            future.set_exception(_save_failed(checkpoint_id, f.exception(), pg))
+        else:
+            future.set_result(f.result())
+
+    written.add_done_callback(done)
     _pending.append(future)
     return future
 
@@ -335,11 +381,11 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     """
     import torch.distributed.checkpoint as dcp
 
-    from funcshard._checkpoint_commit import check_committed
+    from funcshard._checkpoint_commit import check_committed, checked_metadata, load_error
 
     check_committed(checkpoint_id)
     reader = dcp.FileSystemReader(checkpoint_id)
-    md = reader.read_metadata().state_dict_metadata
+    md = checked_metadata(checkpoint_id, reader).state_dict_metadata
     specs, rank, mesh = plan.specs, _rank(plan), plan.mesh
     device = device_of(plan.mesh, "funcshard.checkpoint.load")
     problems: list[str] = []
@@ -392,7 +438,10 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
             for k in tree:
                 sd[OPTIM]["state"].setdefault(k, {})[t.name] = present(specs[k], tree[k], mesh, rank)
     dcp_kwargs.setdefault("process_group", _dcp_group(plan))
-    dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    try:
+        dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    except dcp.CheckpointException as e:
+        raise load_error(checkpoint_id, e) from None
     if opt_state is not None:  # every check before the first change to anything passed in (the module's buffers)
         # no step saved (torch's SGD): a momentum buffer exists only once a step was taken
         steps = {float(sd[OPTIM]["state"][k]["step"]) for k in stepped} or {1.0 if trees else 0.0}

@@ -58,11 +58,12 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks", "shutdown_pools", "RankError", "RankTimeout"]
+__all__ = ["run_ranks", "shutdown_pools", "RankError", "RankTimeout", "Died"]
 
 GLOO_TIMEOUT = 60.0     # s before a stuck collective raises inside a worker (harness never waits on it)
 STARTUP_TIMEOUT = 120.0  # s for a fresh pool to import torch and rendezvous
@@ -226,14 +227,14 @@ class _Pool:
             except OSError:  # a dead worker: collect() will notice
                 pass
 
-    def collect(self, timeout):
+    def collect(self, timeout, grace=GRACE):
         """Wait for one reply per rank -> (replies {rank: (status, value)}, dead {rank: exitcode},
-        missing [ranks]).  Once a rank fails, the others get at most GRACE more seconds."""
+        missing [ranks]).  Once a rank fails, the others get at most ``grace`` more seconds."""
         deadline, grace_end = time.monotonic() + timeout, None
         replies, dead, pending = {}, {}, set(range(self.world_size))
         while pending:
             if grace_end is None and (dead or any(s != "ok" for s, _ in replies.values())):
-                grace_end = time.monotonic() + GRACE
+                grace_end = time.monotonic() + grace
             left = min(deadline, grace_end or deadline) - time.monotonic()
             ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending],
                          timeout=max(left, 0))
@@ -320,8 +321,18 @@ def shutdown_pools():
 atexit.register(shutdown_pools)
 
 
-def run_ranks(world_size, fn, *args, timeout=120.0, **kwargs):
-    """Run ``fn(*args, **kwargs)`` on ranks 0..world_size-1; return the list of their results."""
+class Died(NamedTuple):
+    """``run_ranks(..., dead_ok=True)``'s result for a rank that died: its exit code (negative: the signal)."""
+
+    exitcode: int | None
+
+
+def run_ranks(world_size, fn, *args, timeout=120.0, grace=GRACE, dead_ok=False, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ranks 0..world_size-1; return the list of their results.
+
+    ``grace``: the seconds the other ranks get to answer once one has failed. ``dead_ok``: a rank that died is no
+    failure (fault injection): its result is ``Died(exitcode)``, the others' are their results (the pool is started
+    afresh for the next job)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     job = pickle.dumps((fn, args, kwargs))  # unpicklable fn/args fail here, pool untouched
@@ -333,7 +344,7 @@ def run_ranks(world_size, fn, *args, timeout=120.0, **kwargs):
     stacks, unsynced = {}, None
     try:
         pool.send("run", job)
-        replies, dead, missing = pool.collect(timeout)
+        replies, dead, missing = pool.collect(timeout, grace)
         if missing:
             stacks = pool.dump_stacks(missing)
         elif not dead:  # everyone answered: is the default group still usable and in step?
@@ -352,7 +363,7 @@ def run_ranks(world_size, fn, *args, timeout=120.0, **kwargs):
     elapsed = time.monotonic() - start
     where = f"{name} on {world_size} rank(s)"
     note = "; pool killed" if discarded else ""
-    bad = sorted([r for r, (s, _) in replies.items() if s != "ok"] + list(dead))
+    bad = sorted([r for r, (s, _) in replies.items() if s != "ok"] + ([] if dead_ok else list(dead)))
     if bad:
         also = f"; ranks {missing} did not answer" if missing else ""
         raise RankError(_report(f"{where} failed on ranks {bad}{also}{note}",
@@ -366,4 +377,4 @@ def run_ranks(world_size, fn, *args, timeout=120.0, **kwargs):
             f"{where} returned on every rank, but the post-job health check (an all_reduce on the "
             f"default group) failed: mismatched collectives or destroyed default group?{note}",
             world_size, *unsynced, stacks))
-    return [replies[r][1] for r in range(world_size)]
+    return [Died(dead[r]) if r in dead else replies[r][1] for r in range(world_size)]

@@ -1054,3 +1054,58 @@ def test_meshes_over_part_of_the_world_save_and_load_their_own_checkpoints(tmp_p
     (FileNotFoundError), then the load waited for the other pair (review22 C). Each part now saves over its mesh's ranks,
     its first rank committing."""
     assert run_ranks(4, _parts_save_and_load, str(tmp_path)) == [{"sync": True, "async": True}] * 4
+
+
+# ---- a damaged checkpoint: named, on every rank, nothing changed (issue 31) --------------------------------------
+
+
+def _damaged(path):
+    """Save at W=2, then per damage: a copy of the checkpoint damaged (rank 0 damages it, both load it); each rank's
+    (error type, message, whether the template state, opt_state and the module's buffer are as before)."""
+    import os
+    import shutil
+
+    plan, tx, state, opt_state = _scaled_state(0, "per_param")
+    checkpoint.save(plan, state, opt_state, checkpoint_id=f"{path}/good", tx=tx)
+    out = {}
+    for damage in ("deleted", "truncated", "metadata"):
+        where = f"{path}/{damage}"
+        if dist.get_rank() == 0:
+            shutil.copytree(f"{path}/good", where)
+            shard = sorted(f for f in os.listdir(where) if f.endswith(".distcp"))[-1]
+            if damage == "deleted":
+                os.remove(f"{where}/{shard}")
+            else:
+                name = ".metadata" if damage == "metadata" else shard
+                with open(f"{where}/{name}", "r+b") as f:
+                    f.truncate(os.path.getsize(f"{where}/{name}") // 2)
+        dist.barrier()
+        tmpl, tmpl_opt = _scaled_state(1, "per_param")[2:]
+        before = [v.clone() for v in (*tmpl.values(), *tmpl_opt[0].mu.values(), plan.module.stat)]
+        try:
+            checkpoint.load(plan, where, opt_state=tmpl_opt, state=tmpl)
+            out[damage] = ("loaded", "", False)
+        except Exception as e:  # (what the user's `except Exception` catches: DCP's CheckpointException is not one)
+            after = [*tmpl.values(), *tmpl_opt[0].mu.values(), plan.module.stat]
+            out[damage] = (type(e).__name__, str(e), all(torch.equal(a, b) for a, b in zip(before, after)))
+    return out
+
+
+_DAMAGED = {
+    "deleted": r"checkpoint .*/deleted is damaged: files its metadata names are missing or short:\n  .*/deleted/"
+               r"__1_0\.distcp: missing \(the metadata reads \d+ bytes from it\)\nNothing was loaded",
+    "truncated": r"checkpoint .*/truncated is damaged: .*\n  .*/truncated/__1_0\.distcp: \d+ bytes, the metadata reads "
+                 r"\d+ \(truncated\)",
+    "metadata": r"checkpoint .*/metadata: its metadata .*/metadata/\.metadata cannot be read \(\w+: .*\): the file is "
+                r"damaged \(truncated or overwritten\)\. Nothing was loaded",
+}
+
+
+def test_a_damaged_checkpoint_is_named_on_every_rank(tmp_path):
+    """A shard file deleted or truncated, or the metadata truncated: before, DCP's CheckpointException (a
+    BaseException: `except Exception` missed it; its message "ranks: dict_keys([0, 1])") or an unpickling error.
+    Now a ShardingError naming the file and what is wrong, on every rank, before anything is read or changed."""
+    for out in run_ranks(2, _damaged, str(tmp_path)):
+        for damage, pattern in _DAMAGED.items():
+            kind, message, untouched = out[damage]
+            assert kind == "ShardingError" and re.search(pattern, message) and untouched, (damage, kind, message)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from datetime import timedelta
 
@@ -51,6 +52,8 @@ class _Net(nn.Module):
                 raise ValueError("a rank's own error in forward")
             if i not in self.skip:
                 x = x + b(x)
+        if self.die_at == len(self.blocks):  # after the forward's last collective, before its end (the exchange)
+            os.kill(os.getpid(), signal.SIGKILL)
         return x.square().mean()
 
 
@@ -109,6 +112,8 @@ def _setup(scenario: str, rank: int, model: _Net) -> dict:
             model.fail_at = 2
         elif scenario == "killed":
             model.die_at = 2
+        elif scenario == "killed_end":
+            model.die_at = len(model.blocks)
         elif scenario == "slow_end":
             model.sleep_at = (3, TIMEOUT + 2)
     frozen = {"frozen_equal": ["blocks.1.0.weight" if rank == 0 else "blocks.2.0.weight"],
@@ -116,7 +121,7 @@ def _setup(scenario: str, rank: int, model: _Net) -> dict:
     return {"mb": mb, "frozen": frozen}
 
 
-def _scenario(path: str, scenario: str, check: bool = False, again: bool = False):
+def _scenario(path: str, scenario: str, check: bool = False, again: bool = False, timeout: float = TIMEOUT):
     """One rank's run of a divergence scenario: 2 steps (microbatches), the second where they diverge... Returns
     (error type, message, whether the state / parameters are as before); ``again``: and what one more step raised
     after that ("type: message"; "ok" if it ran)."""
@@ -127,7 +132,7 @@ def _scenario(path: str, scenario: str, check: bool = False, again: bool = False
     how = _setup(scenario, rank, model)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     if path == "apply":
-        plan = funcshard.plan(model, mesh, groups=(nn.Sequential,), timeout=TIMEOUT, check=check)
+        plan = funcshard.plan(model, mesh, groups=(nn.Sequential,), timeout=timeout, check=check)
         state = funcshard.shard(plan)
         train = {k: v for k, v in state.items() if k not in how["frozen"]}
         frozen = {k: v for k, v in state.items() if k in how["frozen"]}
@@ -146,7 +151,7 @@ def _scenario(path: str, scenario: str, check: bool = False, again: bool = False
     for b in model.blocks:
         funcshard.fully_shard(b, mesh=mesh)
     funcshard.fully_shard(model, mesh=mesh)
-    model.set_timeout(TIMEOUT)
+    model.set_timeout(timeout)
     model.set_check_mode(check)
     for name in how["frozen"]:
         model.get_parameter(name).requires_grad_(False)
@@ -276,6 +281,29 @@ def _die(path):
     return kind
 
 
+def _timed(*args, **kwargs):
+    start = time.monotonic()
+    return *_scenario(*args, **kwargs), time.monotonic() - start
+
+
+@pytest.mark.parametrize("path", ["apply", "fully_shard"])
+def test_a_rank_killed_before_the_end_of_forward_is_seen_at_once(path):
+    """Rank 1 is SIGKILLed after its forward's last collective, before the end-of-forward exchange (the divergence
+    check, through the store) that rank 0 then waits in: rank 0 raises a CollectiveError naming the dead rank within
+    a few seconds (the wait's slices look at the peers' processes), not at the plan's bound (60 s here). Before, it
+    waited out the bound (300 s by default)."""
+    from multirank import Died
+
+    r0, r1 = run_ranks(2, _timed, path, "killed_end", timeout=60.0, grace=30.0, dead_ok=True)
+    assert r1 == Died(-signal.SIGKILL), r1
+    kind, message, intact, seconds = r0
+    assert kind == "CollectiveError" and re.search(
+        r"funcshard: rank 1 died \(its process, pid \d+ on this host, is gone\) while this rank \(rank 0\) waited "
+        r"for the ranks at the end of the step's forward \(exchange #1 on process group .*restart the job", message), \
+        (kind, message)
+    assert seconds < 10.0 and intact, (seconds, intact)
+
+
 def _broken_then_refused():
     """After a timeout, the process group is refused at once by the next step (no second wait)."""
     torch.manual_seed(0)
@@ -392,7 +420,7 @@ class _Counting:
 def _counted(pg) -> _Counting:
     from funcshard._runtime import check
 
-    peers = check._peers(pg)
+    peers = check._peers(pg)  # (posts this rank's process in the store: not counted)
     counting = _Counting(peers[1])
     check._PEERS[pg] = (counting, *peers[2:])
     return counting
@@ -406,6 +434,7 @@ def _store_work(steps: int):
     plan = funcshard.plan(_Net(), mesh, groups=(nn.Sequential,), timeout=TIMEOUT)
     state = funcshard.shard(plan)
     counting = _counted(pg)
+    dist.barrier(pg)  # (every rank has posted its process: check._peers, one key per rank and group, kept)
     keys = counting.num_keys()
     step = funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, torch.ones(2, 8)))
     for _ in range(steps):
@@ -443,6 +472,7 @@ def _hygiene(path: str):
     model = _Net()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     store = _counted(pg)
+    dist.barrier(pg)  # (every rank has posted its process: one key per rank and group, kept)
     base = store.num_keys()
     seen = []
 
@@ -776,3 +806,43 @@ def test_forward_orders_that_join_alike_differ():
         assert kind == "DivergenceError" and re.match(
             r"funcshard: the ranks' forwards ran different groups on process group .*: the first group run is ranks "
             r"\[0\]: 'a,b'; ranks \[1\]: 'a'\. Their backward collectives would pair different groups", message), message
+
+
+def _made_again():
+    """A group whose end-of-forward exchange timed out (rank 1 ran its forward under no_grad: no exchange) is destroyed
+    and made again over the same ranks under the same name (new_group(..., use_local_synchronization=True): the name
+    is the ranks' hash; the same happens to the default group initialised again on the same store), so the same store
+    prefix; then both ranks train a step on it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from funcshard._collectives import forget
+
+    _release()
+    torch.manual_seed(0)
+    model, x, out = _Net(), torch.ones(2, 8), []
+    for attempt in range(2):
+        pg = dist.new_group([0, 1], timeout=timedelta(seconds=GLOO_S), use_local_synchronization=True)
+        plan = funcshard.plan(model, DeviceMesh.from_group(pg, "cpu"), groups=(nn.Sequential,), timeout=1.0)
+        state = funcshard.shard(plan)
+        try:
+            if attempt == 0 and dist.get_rank() == 1:
+                with torch.no_grad():
+                    funcshard.apply(plan, state, x)
+            else:
+                funcshard.value_and_grad(lambda s: funcshard.apply(plan, s, x))(state)
+            out.append((pg.group_name, "ok"))
+        except CollectiveError as e:
+            out.append((pg.group_name, f"{type(e).__name__}: {e}"))
+        dist.barrier()
+        dist.destroy_process_group(pg)
+        forget(pg)
+    return out
+
+
+def test_a_group_made_again_under_its_name_does_not_read_the_old_keys():
+    """Before: the second group's first exchange read the keys the timed-out one left (its arrival count carried the
+    give-up mark) and raised "reached ... after rank 0 had stopped waiting there" on a healthy group."""
+    r0, r1 = run_ranks(2, _made_again, timeout=JOB_S)
+    assert r0[0][0] == r0[1][0] == r1[0][0], (r0, r1)  # (the same name twice: the same store prefix)
+    assert r0[0][1].startswith("CollectiveTimeout: funcshard: ranks [1] did not reach the end of the step's forward")
+    assert r1[0][1] == "ok" and r0[1][1] == r1[1][1] == "ok", (r0, r1)

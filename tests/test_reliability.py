@@ -488,3 +488,59 @@ def test_traced_apply_transforms_right_or_refused(world):
             else:
                 assert isinstance(got, str) and got.startswith("NotImplementedError: ") and re.search(want, got), \
                     (world, name, got)
+
+
+# ---- bad input named, nothing changed (issue 31) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda p, g: (*p.groups, g(p.groups[1], name="nope", modules=("nope",), params=())),
+     r"group 'nope' names modules \['nope'\] that MLP does not have \(known: \[.*\] and 4 more\); name modules by "
+     r"their path"),
+    (lambda p, g: (p.groups[0], g(p.groups[1], params=(*p.groups[1].params, "blocks.9.weight")), *p.groups[2:]),
+     r"names parameters \['blocks\.9\.weight'\] that the plan does not shard .*name parameters by their path"),
+    (lambda p, g: p.groups[1:] + p.groups[:1], r"the plan's first group must be the root group"),
+    (lambda p, g: (*p.groups, p.groups[1]), r"appear more than once in the plan"),
+])
+def test_plan_replace_with_groups_that_do_not_exist(fake_mesh2, edit, match):
+    """Plan.replace(groups=...) naming a module or parameter the model does not have: before, accepted, and apply
+    failed with a raw AttributeError / KeyError inside the step."""
+    import dataclasses
+
+    import funcshard
+    from models import MLP
+
+    plan = funcshard.plan(MLP(layers=2), fake_mesh2, groups=(torch.nn.Linear,))
+    groups = plan.groups
+    with pytest.raises(funcshard.ShardingError, match=match):
+        plan.replace(groups=edit(plan, dataclasses.replace))
+    assert plan.groups == groups
+
+
+def test_bf16_gradients_for_fp32_parameters():
+    """Adam's moments are the params' dtype: bf16 gradients reached torch's "expected dtype float for `end` but got
+    dtype c10::BFloat16" in lerp_; now a ValueError naming the leaf, the dtypes and the cast, nothing changed."""
+    tx, params = optim.adamw(1e-2), _tree(0)
+    opt_state = tx.init(params)
+    grads = {k: v.bfloat16() for k, v in _tree(1).items()}
+    before = _snapshot([grads, opt_state, params])
+    with pytest.raises(ValueError, match=r"adamw: dtype mismatch at \['\w+'\]: grads are torch\.bfloat16 but the "
+                                         r"optimizer state .* is torch\.float32\. Fix: give the grads the params' dtype"):
+        optim.step(tx, grads, opt_state, params, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot([grads, opt_state, params])))
+
+
+def test_shard_does_not_cast(fake_mesh2):
+    """float64 parameters given to a float32 plan were cast to float32 silently; FSDP2 shards a parameter in its own
+    dtype (a float64 module stays float64, as funcshard's plan of one does): refused, naming the cast."""
+    import funcshard
+
+    m = torch.nn.Linear(4, 3)
+    plan = funcshard.plan(m, fake_mesh2)
+    full = {k: v.detach().double() for k, v in m.named_parameters()}
+    with pytest.raises(funcshard.ShardingError, match=r"(?s)weight: dtype torch\.float64, the plan's is torch\.float32.*"
+                                                      r"cast them \(v\.to\(plan\.specs\[k\]\.dtype\)\), or plan a "
+                                                      r"module of their dtype"):
+        funcshard.shard(plan, full)
+    double = funcshard.plan(m.double(), fake_mesh2)
+    assert {v.dtype for v in funcshard.shard(double).values()} == {torch.float64}

@@ -63,6 +63,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import socket
 import time
 import weakref
 from datetime import timedelta
@@ -71,7 +73,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from funcshard._collectives import CollectiveTimeout, DivergenceError, mark_broken, pg_desc
+from funcshard._collectives import CollectiveError, CollectiveTimeout, DivergenceError, mark_broken, pg_desc
 from funcshard._compat import process_group_store
 from funcshard._runtime.part import Part
 
@@ -89,6 +91,8 @@ _SEQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -
 # same on every rank)}; per group object, not name: ranks run as threads (torch's threaded group) have one each
 _PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
 # check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
+_MADE: dict[tuple, int] = {}  # (process group name, ranks, rank) -> the groups of that name this process checked
+# before (see _peers)
 ENABLED = True  # the default check (benchmarks/divergence_check.py turns it off to measure it); not check mode's
 
 
@@ -106,14 +110,95 @@ def _unpack(value: str, n: int) -> list[bool]:
 
 
 def _peers(pg):
-    """(group, store, world, rank, global ranks) of a process group with peers to check against, else None."""
+    """(group, store, world, rank, global ranks) of a process group with peers to check against, else None. The
+    first time: this rank's process posted in the group's store (``_process``), so that a waiting peer on the same
+    host can tell that it died (``_check_alive``)."""
     hit = _PEERS.get(pg)
     if hit is None:
         world = dist.get_world_size(pg)
         fake = str(dist.get_backend(pg)) == "fake"
-        hit = _PEERS[pg] = (None if world == 1 or fake else process_group_store(pg), world, dist.get_rank(pg),
-                            dist.get_process_group_ranks(pg))
+        store = None if world == 1 or fake else process_group_store(pg)
+        if store is not None:  # a group made again under a name used before (the default group initialised again
+            # on the same store, new_group(..., use_local_synchronization=True) over the same ranks) has the same
+            # store prefix: a timed-out exchange's keys are still there. Each process counts the groups it made
+            # under the name (every rank makes the same ones), and the n-th reads and writes its own keys. (Per
+            # ranks and rank too: ranks run as threads of one process, torch's threaded group, each make one.)
+            made = (pg.group_name, tuple(dist.get_process_group_ranks(pg)), dist.get_rank(pg))
+            n = _MADE[made] = _MADE.get(made, -1) + 1
+            if n:
+                store = dist.PrefixStore(f"funcshard.{n}/", store)
+        hit = _PEERS[pg] = (store, world, dist.get_rank(pg), dist.get_process_group_ranks(pg))
+        if hit[0] is not None:
+            hit[0].set(f"funcshard/process/{hit[2]}", _process())
     return (pg, *hit) if hit[0] is not None else None
+
+
+# ---- a dead peer seen while waiting: its process is gone (peers on this host) ---------------------------------
+_SLICE = 1.0  # s: a wait's slice, after which the peers' processes are looked at
+_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> {rank: (pid, start)} of its
+# peers on this host (read once, when a wait first outlasts a slice)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of a process on this host, from /proc; None if it is gone (or no /proc)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # (after the command name, which may hold spaces and parentheses)
+    return fields[0], fields[19]
+
+
+_ME: dict[int, str] = {}  # pid -> _process() (a forked child is another process)
+
+
+def _process() -> str:
+    """This process as a peer on the same host can look at it: the host (its boot id and pid namespace: a pid means
+    the same process only within both), the pid and the start time (a pid used again is another process)."""
+    pid = os.getpid()
+    if pid in _ME:
+        return _ME[pid]
+    stat, boot = _stat(pid), _read("/proc/sys/kernel/random/boot_id")
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = None
+    me = _ME[pid] = ("-" if stat is None or boot is None or ns is None  # (no /proc: cannot be looked at)
+                     else json.dumps([f"{socket.gethostname()} {boot} {ns}", pid, stat[1]]))
+    return me
+
+
+def _check_alive(peers, doing: str, seq: int) -> None:
+    """Raise a CollectiveError if a peer on this host has died (its process gone, a zombie, or its pid another
+    process's): seen within a slice of a wait, not at the bound. Peers on other hosts are not looked at (their waits
+    end at the bound)."""
+    pg, store, world, rank, ranks = peers
+    known = _HOSTS.get(pg)
+    if known is None:  # {rank: (pid, start) on this host, or None: elsewhere}; ranks not posted yet are read later
+        known = _HOSTS[pg] = {rank: None} if _process() != "-" else dict.fromkeys(range(world))
+    if len(known) < world:
+        host = json.loads(_process())[0]
+        for r in range(world):
+            key = f"funcshard/process/{r}"
+            if r not in known and store.check([key]):
+                v = store.get(key).decode()
+                known[r] = (p[1], p[2]) if v != "-" and (p := json.loads(v))[0] == host else None
+    for r, (pid, start) in [(r, v) for r, v in known.items() if v is not None]:
+        stat = _stat(pid)
+        if stat is None or stat[0] in "ZXx" or stat[1] != start:
+            mark_broken(pg, f"rank {ranks[r]} died")
+            raise CollectiveError(
+                f"funcshard: rank {ranks[r]} died (its process, pid {pid} on this host, is gone) while this rank "
+                f"(rank {dist.get_rank()}) waited for the ranks at {doing} (exchange #{seq} on {pg_desc(pg)}). The "
+                f"process group can no longer be trusted: restart the job (or make a new process group, mesh, plan "
+                f"and state); see that rank's log for why it died")
 
 
 def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> tuple[bool, int]:
@@ -155,12 +240,13 @@ def _wait(store, base: str, key: str, peers, seq: int, seconds: float | None, do
     while True:
         left = deadline - time.monotonic()
         try:
-            store.wait([key], timedelta(seconds=max(min(left, 1.0), 0.001)))
+            store.wait([key], timedelta(seconds=max(min(left, _SLICE), 0.001)))
             if here is not None:
                 store.delete_key(here)
             return
         except (RuntimeError, dist.DistError):
             pass
+        _check_alive(peers, doing, seq)
         if here is None:
             here = f"{base}/here/{peers[3]}"
             store.set(here, "1")
@@ -198,10 +284,11 @@ def _give_up(store, base: str, key: str, peers, seq: int, seconds: float, doing:
     deadline = time.monotonic() + _GRACE + (seconds or 0.0)
     while time.monotonic() < deadline:
         try:
-            store.wait([key], timedelta(seconds=1.0))
+            store.wait([key], timedelta(seconds=_SLICE))
             return
         except (RuntimeError, dist.DistError):
             pass
+        _check_alive(peers, doing, seq)
     late = [ranks[r] for r in range(world) if r != rank and not store.check([f"{base}/here/{r}"])]
     _timeout(pg, late, doing, seq, seconds)
 
@@ -249,9 +336,10 @@ def _everyones(kind: str, peers, seq: int, value: str, seconds: float | None, do
     deadline = time.monotonic() + (seconds if seconds is not None else math.inf)
     while True:
         try:
-            store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), 1.0), 0.001)))
+            store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), _SLICE), 0.001)))
             break
         except (RuntimeError, dist.DistError):
+            _check_alive(peers, doing, seq)
             if time.monotonic() >= deadline:
                 _timeout(pg, [ranks[r] for r, key in enumerate(keys) if not store.check([key])], doing, seq, seconds)
     got = [v.decode() for v in store.multi_get(keys)]
@@ -268,6 +356,9 @@ class Checks(Part):
     def __init__(self, step: Step):
         super().__init__(step)
         self.sequence = bool(step.plan.check)
+        for pg in (step.pg, step.replicate_pg):  # (posts this rank's process at the first step: _check_alive)
+            if pg is not None:
+                _peers(pg)
 
     def post(self) -> None:
         """End of a forward that can have a backward (before any of its collectives): the ranks agree on which
