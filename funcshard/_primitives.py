@@ -10,6 +10,8 @@ of the tangent) and vmap (the batch dim moved off dim 0) rule beside it. Their w
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -71,15 +73,17 @@ def check_backward_transforms(what: str) -> None:
         )
 
 
-def check_batched_grads(what: str, grads) -> None:
+def check_batched_grads(what: str, grads, *, vmapped: bool = True) -> None:
     """Plain autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True)) hands the sharded
-    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's."""
+    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's. ``vmapped=False``:
+    refuse only those (the public collectives' vmap rules take torch.func's batched gradients)."""
     g = next((g for g in grads if g is not None), None)
-    if g is not None and "Batched" in repr(dispatch_keys(g)):  # (the key is not in Python's enum)
+    keys = "" if g is None else repr(dispatch_keys(g))  # (the keys are not in Python's enum)
+    if re.search(r"\bBatched\b" if not vmapped else "Batched", keys):
         raise NotImplementedError(
             f"the backward of {what} got batched gradients (torch.autograd.grad(..., is_grads_batched=True)): "
             f"batched cotangents through the sharded gather are not built yet; call torch.autograd.grad once per "
-            f"cotangent (retain_graph=True)")
+            f"cotangent (retain_graph=True), or use torch.func.vmap over torch.func.vjp's function")
 
 
 def _group_of(where) -> dist.ProcessGroup:
@@ -91,9 +95,20 @@ def _group_of(where) -> dist.ProcessGroup:
 
 
 # ---- differentiable collectives (dim 0; under autograd and torch.func) --------------------------
+#
+# Complete torch.func primitives, as JAX's: forward runs the raw c10d call on plain tensors (functorch has unwrapped
+# every level by then); backward is the transposed collective's own Function.apply (so it is differentiable again:
+# derivatives of any order, torch.autograd.grad(create_graph=True)); jvp is the collective of the tangent (they are
+# linear); vmap moves the batch dim off dim 0 (to dim 1) and issues one collective for the whole batch.
+
+
+def _dim0(x: torch.Tensor, what: str) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{what} works on dim 0 and got a 0-dim tensor; reshape it to (1,) first")
 
 
 def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Tensor:
+    _dim0(x, what)
     w = dist.get_world_size(group)
     where = public_where("all-gather", what, group)
     x = x.contiguous()
@@ -103,10 +118,11 @@ def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Ten
 
 
 def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch.Tensor:
+    _dim0(x, what)
     w = dist.get_world_size(group)
     if x.shape[0] % w:
         raise ValueError(
-            f"reduce_scatter needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
+            f"{what} needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
         )
     where = public_where("reduce-scatter", what, group)
     x = x.contiguous()
@@ -121,12 +137,18 @@ def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Ten
     return out
 
 
-def _batched(fn, x, bdim, group):
-    """vmap rule: move the batch dim to 1 so dim 0 stays the collective's dim."""
+def _batched(fn, x: torch.Tensor, bdim, group, what: str):
+    """vmap rule of a dim-0 collective: the batch dim moved to 1, so dim 0 stays the collective's; one collective for
+    the whole batch, its output batched on dim 1."""
     if bdim is None:
         return fn(x, group), None
-    x = x.movedim(bdim, 1) if x.dim() > 1 else x.movedim(bdim, 0).unsqueeze(0)
-    return fn(x, group), 1
+    if x.dim() < 2:  # (a 0-dim tensor per example: the collective has no dim 0)
+        _dim0(x.select(bdim, 0), what)
+    return fn(x.movedim(bdim, 1), group), 1
+
+
+def _raw_grads(what: str, g: torch.Tensor) -> None:
+    check_batched_grads(what, (g,), vmapped=False)
 
 
 class _AllGather(torch.autograd.Function):
@@ -141,8 +163,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _rs(g, ctx.group, "the backward of funcshard.all_gather"), None
+        _raw_grads("funcshard.all_gather", g)
+        return _ReduceScatter.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -150,7 +172,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, group):
-        return _batched(_AllGather.apply, x, in_dims[0], group)
+        return _batched(_AllGather.apply, x, in_dims[0], group, "funcshard.all_gather")
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -165,8 +187,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _ag(g, ctx.group, "the backward of funcshard.reduce_scatter"), None
+        _raw_grads("funcshard.reduce_scatter", g)
+        return _AllGather.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -174,7 +196,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, group):
-        return _batched(_ReduceScatter.apply, x, in_dims[0], group)
+        return _batched(_ReduceScatter.apply, x, in_dims[0], group, "funcshard.reduce_scatter")
 
 
 class _AllReduce(torch.autograd.Function):
@@ -189,8 +211,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _ar(g, ctx.group, "the backward of funcshard.all_reduce"), None
+        _raw_grads("funcshard.all_reduce", g)
+        return _AllReduce.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -201,9 +223,70 @@ class _AllReduce(torch.autograd.Function):
         return _AllReduce.apply(x, group), in_dims[0]
 
 
+class _ReplicaSum(torch.autograd.Function):
+    """The identity on a tensor every rank of ``group`` holds the same (a replicated parameter); backward: the sum
+    of the ranks' cotangents (``all_reduce``, differentiable again); jvp: the tangent."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, group):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllReduce.apply(g, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t.clone()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity whose backward divides the cotangent by ``factor`` (a data-parallel mean's divide, at any order:
+    the backward is a plain division); jvp: the tangent."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, factor):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.factor, None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t.clone()
+
+
+def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
+    return _ReplicaSum.apply(x, group)
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x``, whose gradient is divided by ``factor`` (at every order)."""
+    return x if factor == 1.0 else _ScaleGrad.apply(x, factor)
+
+
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0. Backward: reduce-scatter (sum). ``group``: a
     ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group).
+
+    A complete ``torch.func`` primitive, as the other two: its backward is the differentiable transposed collective
+    (derivatives of any order, ``torch.autograd.grad(create_graph=True)``), its jvp the collective of the tangent, and
+    under ``vmap`` one collective for the whole batch (the batch dim kept off dim 0). Not under
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (refused: use ``torch.func.vmap`` over a vjp function).
 
     Like the three public collectives (and their backward), it waits at most ``FUNCSHARD_TIMEOUT`` seconds (else 300)
     on gloo, then raises ``CollectiveTimeout`` naming it, and the group is refused afterwards (a rank that never
