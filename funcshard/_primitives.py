@@ -11,6 +11,7 @@ of the tangent) and vmap (the batch dim moved off dim 0) rule beside it. Their w
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,9 @@ from funcshard._collectives import (
 )
 from funcshard._compat import TransformType, dispatch_keys, get_interpreter_stack
 from funcshard._mesh import shard_group
+from funcshard._spec import ShardSpec, from_split, unpad
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce"]  # (and, internal: a bucket's composable gather)
 
 
 def transform_stack(stack=None) -> str:
@@ -58,6 +60,29 @@ def check_transforms(what: str, kinds=(TransformType.Grad, TransformType.Jvp), f
         f"vmap over grad, jacrev of grad) are not built yet: {fix}take first-order gradients with funcshard, or "
         f"gather the parameters (funcshard.gather) and apply the nested transform to the unsharded function"
     )
+
+
+_DIVIDED = ("each gather's backward divides the reduce-scattered gradient by the plan's factor, so a derivative "
+            "path through two gathers of the parameters (a gradient differentiated again: grad(grad(...)), MAML, "
+            "jacrev(jacrev(...)), autograd.grad(create_graph=True) then backward) would be divided twice. Plan with "
+            "grad_divide_factor=1.0 (gradients are then sums over ranks, exact at every order; divide the loss by the "
+            "number of ranks to get the mean's), or use funcshard.gather (sums), or take a single reverse level "
+            "(vmap(grad), jvp(grad), jacfwd(jacrev), hessian compose with the factor)")
+
+
+def check_reverse_levels(what: str, factor: float) -> None:
+    """A gradient divided by ``factor`` at each gather is only the derivative of the ranks' mean loss at one reverse
+    level: refuse two or more torch.func grad/vjp levels when ``factor != 1``."""
+    stack = get_interpreter_stack()
+    if factor != 1.0 and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
+        raise NotImplementedError(
+            f"{what} under {transform_stack(stack)} with a gradient divide factor of {factor:g}: {_DIVIDED}")
+
+
+def divided_twice(what: str, factor: float) -> str:
+    """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``."""
+    return (f"{what}: a gradient taken with create_graph=True was differentiated again, with a gradient divide factor "
+            f"of {factor:g}: {_DIVIDED}")
 
 
 def check_backward_transforms(what: str) -> None:
@@ -302,3 +327,87 @@ def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks. Backward: all-reduce (sum) of the cotangent."""
     return _AllReduce.apply(x, _group_of(group))
+
+
+# ---- a bucket of parameters gathered by these primitives (composes under every transform) ----------------------
+
+
+class Param(NamedTuple):
+    """One parameter's place in its bucket (plain data: what traced code reads as constants)."""
+
+    path: str
+    dtype: torch.dtype  # the shard's
+    numel: int  # local
+    local_shape: tuple[int, ...]
+    dim: int
+    padded_shape: tuple[int, ...]
+    size: int  # global size of the shard dim (the unpadded rows)
+    padding: int
+    shape: tuple[int, ...]
+    aliases: tuple[str, ...]
+
+
+class Bucket(NamedTuple):
+    """One all-gather (and the reduce-scatter of its backward): a group's parameters of one compute dtype."""
+
+    group: str
+    compute: torch.dtype
+    reduce: torch.dtype
+    before: float  # the divide factor's part applied before the reduce-scatter (fp16), and after it
+    after: float
+    world: int
+    shard_group: str  # process group names (functional collectives take names)
+    replicate_group: str | None
+    params: tuple[Param, ...]
+    recompute: bool  # gather again in backward (reshard_after_forward), under torch.compile
+
+
+@torch.compiler.assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
+def geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, which dynamo does not trace)
+    """``(local numel, local shape, dim, padded shape, size, padding)`` of a parameter of ``shape`` sharded on ``dim``
+    over ``world`` ranks: ``ShardSpec``'s, from plain arguments (a frozen dataclass argument is one torch 2.11's
+    dynamo cannot pass)."""
+    s = ShardSpec("", shape, torch.float32, dim, 0, world)
+    return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
+
+
+def bucket_param(s: ShardSpec) -> Param:
+    """A planned parameter's ``Param``."""
+    return Param(s.fqn, s.dtype, *geometry(s.shape, s.dim, s.world), s.shape, s.aliases)
+
+
+def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The bucket's parameters out of its all-gather output ``(world * n,)``, rank-major (padding dropped)."""
+    full = full.view(b.world, -1)
+    out, k = [], 0
+    for p in b.params:
+        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+        k += p.numel
+        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
+    return tuple(out)
+
+
+def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:
+    """The bucket's parameters (cast to ``b.compute``) from this rank's ``shards``, made of the primitives above and
+    plain torch ops only, so that every torch.func transform and nesting composes (grad of grad, vmap over stacked
+    shards: one all-gather for the whole batch, per-sample gradients: one reduce-scatter). Gradients: the
+    reduce-scatter (sum) over ``group`` of the full gradients in ``b.reduce``, divided by ``b.before`` before and
+    ``b.after`` after it (``_policy.divide_factors``), all-reduced (sum) over ``replicate`` (HSDP), in the shards'
+    dtypes. Gathers in ``b.reduce`` where it is not the compute dtype (exact when the shards are in that dtype: the
+    cast commutes with the gather), so that the backward reduces in it; other shard dtypes are refused."""
+    gd = b.compute
+    if b.reduce != b.compute:
+        if any(s.dtype != b.reduce for s in shards):
+            raise NotImplementedError(
+                f"{what} under a torch.func transform: group {b.group!r} computes in {b.compute} and reduces in "
+                f"{b.reduce}, with shards in {sorted({str(s.dtype) for s in shards})}; the composable gather reduces "
+                f"in the dtype it gathers in, exact only for shards in the reduce dtype. Keep the shards in "
+                f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
+        gd = b.reduce
+    flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
+    flat = scale_grad(flat, b.after)
+    if replicate is not None:
+        flat = replica_sum(flat, replicate)
+    full = _AllGather.apply(flat, group) if b.world > 1 else flat
+    full = scale_grad(full, b.before).to(b.compute)
+    return unflatten(b, full)

@@ -55,47 +55,27 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcshard._primitives import check_backward_transforms, check_batched_grads, check_transforms
-from funcshard._compat import TransformType, c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
+from funcshard._primitives import (
+    Bucket,
+    all_reduce,
+    bucket_param,
+    check_backward_transforms,
+    check_batched_grads,
+    check_reverse_levels,
+    divided_twice,
+    gather_bucket,
+    reduce_scatter,
+    unflatten,
+)
+from funcshard._compat import c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
 from funcshard._plan import Plan
 from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import label
 from funcshard._shard import check_state
-from funcshard._spec import ShardSpec, from_split, unpad
-
-
-class _Param(NamedTuple):
-    """One parameter's place in its bucket (plain data: what the traced code reads as constants)."""
-
-    path: str
-    dtype: torch.dtype  # the shard's
-    numel: int  # local
-    local_shape: tuple[int, ...]
-    dim: int
-    padded_shape: tuple[int, ...]
-    size: int  # global size of the shard dim (the unpadded rows)
-    padding: int
-    shape: tuple[int, ...]
-    aliases: tuple[str, ...]
-
-
-class _Bucket(NamedTuple):
-    """One all-gather (and the reduce-scatter of its backward): a group's parameters of one compute dtype."""
-
-    group: str
-    compute: torch.dtype
-    reduce: torch.dtype
-    before: float  # the divide factor's part applied before the reduce-scatter (fp16), and after it
-    after: float
-    world: int
-    shard_group: str  # process group names (functional collectives take names)
-    replicate_group: str | None
-    params: tuple[_Param, ...]
-    recompute: bool  # gather again in backward (reshard_after_forward), under torch.compile
 
 
 class _Layout(NamedTuple):
-    buckets: tuple[_Bucket, ...]
+    buckets: tuple[Bucket, ...]
     cast_inputs: torch.dtype | None
     output_dtype: torch.dtype | None
 
@@ -124,6 +104,7 @@ def _layout(plan: Plan) -> _Layout:
     _check(plan)
     pg, _ = plan.shard_group()
     rep = plan.replicate_group()
+    _GROUPS.update((g.group_name, g) for g in (pg, rep) if g is not None)
     buckets = []
     for g in plan.groups:
         by_dtype: dict[torch.dtype, list] = {}
@@ -133,21 +114,15 @@ def _layout(plan: Plan) -> _Layout:
         for dt, specs in by_dtype.items():
             rdt = reduce_dtype_of(dt, g.reduce_dtype)
             before, after = divide_factors(plan.divide_factor_of(g), rdt)
-            buckets.append(_Bucket(
+            buckets.append(Bucket(
                 g.name, dt, rdt, before, after, plan.world, pg.group_name, None if rep is None else rep.group_name,
-                tuple(_Param(s.fqn, s.dtype, *_geometry(s.shape, s.dim, s.world), s.shape, s.aliases) for s in specs),
+                tuple(bucket_param(s) for s in specs),
                 bool(g.reshard_after_forward)))
     root = plan.groups[0]
     return _Layout(tuple(buckets), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
 
 
-@torch.compiler.assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
-def _geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, which dynamo does not trace)
-    """``(local numel, local shape, dim, padded shape, size, padding)`` of a parameter of ``shape`` sharded on ``dim``
-    over ``world`` ranks: ``ShardSpec``'s, from plain arguments (a frozen dataclass argument is one torch 2.11's
-    dynamo cannot pass)."""
-    s = ShardSpec("", shape, torch.float32, dim, 0, world)
-    return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
+_GROUPS: dict = {}  # process group name -> group: the differentiable backward's (create_graph=True) collectives
 
 
 def layout(plan: Plan) -> _Layout:
@@ -165,7 +140,7 @@ class _Gather(torch.autograd.Function):
     backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring)."""
 
     @staticmethod
-    def forward(b: _Bucket, *shards: torch.Tensor) -> torch.Tensor:
+    def forward(b: Bucket, *shards: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([s.reshape(-1).to(b.compute) for s in shards])
         if b.world == 1:
             return flat
@@ -177,7 +152,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        b: _Bucket = ctx.bucket
+        b: Bucket = ctx.bucket
         compiling = torch.compiler.is_compiling()  # (dynamo traces this backward: no functorch levels to read)
         if not compiling:
             _check_backward(grad)
@@ -189,19 +164,27 @@ class _Gather(torch.autograd.Function):
         if b.before != 1.0:
             inp = inp / b.before
         out = inp.reshape(-1)
-        with torch.no_grad():  # first order only (and torch 2.13 registers autograd for these ops with a
-            if b.world > 1:    # Function that torch.func's transforms refuse)
-                out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
-            if b.replicate_group is not None:
-                out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
+        create_graph = not compiling and grad.requires_grad and torch.is_grad_enabled()
+        if create_graph and b.before * b.after == 1.0:
+            # the differentiable collectives (their backward is the gather again: any order)
+            pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
+            if b.world > 1:
+                out = reduce_scatter(out, pg)
+            if rep is not None:
+                out = all_reduce(out, rep)
+        else:
+            with torch.no_grad():  # (torch 2.13 registers autograd for these ops with a Function that torch.func's
+                if b.world > 1:    # transforms refuse; first order needs none)
+                    out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
+                if b.replicate_group is not None:
+                    out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
         if b.after != 1.0:
             out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
-        if not compiling and grad.requires_grad and torch.is_grad_enabled() and not get_interpreter_stack():
-            # create_graph=True (torch.func.grad's own backward has grad mode on too: one level, checked in forward)
-            for i, g in zip(reduced, _FirstOrder.apply(grad, *(grads[i] for i in reduced))):
+        if create_graph and b.before * b.after != 1.0:  # right values, refused if differentiated again
+            for i, g in zip(reduced, _Divided.apply(b.before * b.after, grad, *(grads[i] for i in reduced))):
                 grads[i] = g
         return None, *grads
 
@@ -209,39 +192,27 @@ class _Gather(torch.autograd.Function):
 _WHAT = "funcshard.traced_apply"
 
 
-def _check_forward(state: Mapping[str, torch.Tensor]) -> None:
-    """The transforms the traced gather gets right: any over the inputs alone (the shards are constants to them),
-    and one grad/vjp level over the state. Its all-gather has no jvp or vmap rule (a jvp of the state got a zero
-    tangent, a vmap over stacked states another rank's rows) and its backward is first order (a grad of a grad got
-    zeros): apply's rule (``check_transforms``), jvp left out."""
-    if get_interpreter_stack() and any(is_functorch_wrapped_tensor(t) for t in state.values()):
-        check_transforms(_WHAT, kinds=(TransformType.Grad,), fix="for a jvp of the state use funcshard.apply; otherwise ")
-
-
 def _check_backward(grad: torch.Tensor) -> None:
-    """apply's backward rules: no batched cotangents (vmap over a vjp function, jacrev)."""
+    """The c10d gather's backward rules (its forward ran under no torch.func transform of the state): no batched
+    cotangents (plain autograd's is_grads_batched, a vmap around a plain-autograd backward)."""
     check_backward_transforms(_WHAT)
     check_batched_grads(_WHAT, (grad,))
 
 
-class _FirstOrder(torch.autograd.Function):
-    """The shard gradients of a backward with create_graph=True: their values, and a backward that raises. The
-    reduce-scatter carries no graph, so a derivative of these gradients (a double backward: MAML, a Hessian-vector
-    product) would miss every term through the gather. Depends on the incoming gradient only to be differentiated
-    exactly when it could be: an incoming gradient that does not require grad depends on no parameter, and then the
-    terms through the gather are zero (the values returned are right)."""
+class _Divided(torch.autograd.Function):
+    """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor: their
+    values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming gradient only to be
+    differentiated exactly when it could be (an incoming gradient that does not require grad depends on no
+    parameter)."""
 
     @staticmethod
-    def forward(ctx, dep, *pieces):
+    def forward(ctx, factor, dep, *pieces):
+        ctx.factor = factor
         return tuple(p.view_as(p) for p in pieces)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"{_WHAT}: a gradient taken with create_graph=True (torch.autograd.grad(..., create_graph=True), or a "
-            f"torch.func.vjp function) was differentiated again (a double backward); the traced gather's gradients "
-            f"are first order, so this derivative would miss every term through the gather. Differentiate once, or "
-            f"gather the parameters (funcshard.gather) and differentiate the unsharded function")
+        raise NotImplementedError(divided_twice(_WHAT, ctx.factor))
 
 
 def _must_recompute(ctx, func, *args, **kwargs):
@@ -252,23 +223,12 @@ def _recompute_context():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_must_recompute)
 
 
-def _unflatten(b: _Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The bucket's parameters out of its all-gather output ``(world * n,)``, rank-major (padding dropped)."""
-    full = full.view(b.world, -1)
-    out, k = [], 0
-    for p in b.params:
-        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
-        k += p.numel
-        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
-    return tuple(out)
-
-
-def _gather_bucket(b: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
-        return _unflatten(b, _Gather.apply(b, *shards))
+        return unflatten(b, _Gather.apply(b, *shards))
     # (nothing to differentiate, e.g. a frozen group: the all-gather alone; dynamo mis-passes the arguments of a
     # setup_context-style Function none of whose inputs requires grad inside a checkpoint)
-    return _unflatten(b, _Gather.forward(b, *shards))
+    return unflatten(b, _Gather.forward(b, *shards))
 
 
 def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -277,9 +237,17 @@ def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     the group's factor, in the shard's dtype. A group that reshards after forward is gathered inside a selective
     checkpoint whose every op (all-gather, copy-out) is ``MUST_RECOMPUTE``: the compiled backward gathers it again."""
     out: dict[str, torch.Tensor] = {}
+    composed = (not torch.compiler.is_compiling() and get_interpreter_stack()
+                and any(is_functorch_wrapped_tensor(t) for t in state.values()))
+    if composed:  # a torch.func transform of the state: the primitives' gather (every transform composes)
+        pg, rep = plan.shard_group()[0], plan.replicate_group()
+        for g in plan.groups:
+            check_reverse_levels(_WHAT, plan.divide_factor_of(g))
     for b in layout(plan).buckets:
         shards = [state[p.path] for p in b.params]
-        if b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
+        if composed:
+            params = gather_bucket(b, shards, pg, rep, _WHAT)
+        elif b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
             params = torch.utils.checkpoint.checkpoint(_gather_bucket, b, *shards, use_reentrant=False,
                                                        context_fn=_recompute_context)
         else:
@@ -307,8 +275,6 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     compiled, without apply's memory bound.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
-    if not torch.compiler.is_compiling():
-        _check_forward(state)
     if hooked := [g.name for g in plan.groups if g.comm is not None]:
         raise NotImplementedError(f"traced_apply: groups {hooked} have comm hooks (Group.comm), which the traced mode "
                                   f"does not run; use funcshard.apply, or a plan without them")

@@ -633,9 +633,8 @@ def test_first_order_transforms_and_nested_refusal():
     assert ratio < 1.25, ratio
     assert re.search(r"funcshard\.apply runs under a single torch\.func .* called under grad inside grad", msgs[0])
     assert re.search(r"funcshard\.apply .* called under grad inside vmap", msgs[1])
-    assert re.search(r"funcshard\.gather .* called under grad inside grad", msgs[2])
+    assert msgs[2] == msgs[4] == "no error"  # gather composes (its values: tests/test_transforms.py)
     assert re.search(r"the backward of funcshard\.apply ran under vmap .* batched cotangents .* not built yet", msgs[3])
-    assert re.search(r"the backward of funcshard\.gather ran under vmap", msgs[4])
 
 
 class _BlockWithEmpty(Block):
