@@ -14,7 +14,8 @@ function of the shards made of traceable ops, so ``torch.compile(step, fullgraph
   shard does not require grad, or is not among the arguments ``value_and_grad`` differentiates, costs no traffic; a
   group with none has no reduce-scatter), the plan's divide factor split before and after it as
   ``_policy.divide_factors`` splits it, an all-reduce over the replicate axis (HSDP), and each shard's gradient cast
-  back to the shard's dtype. First order only (no gradient of the gradient).
+  back to the shard's dtype. Under torch.func transforms of the state (eagerly) the collectives are
+  ``funcshard.all_gather`` / ``reduce_scatter`` instead, which compose (``traced_apply``'s docstring).
 
 Where the Plan decides and where the compiler takes over:
 
@@ -80,7 +81,8 @@ class _Layout(NamedTuple):
     output_dtype: torch.dtype | None
 
 
-def _check(plan: Plan) -> None:
+def unsupported(plan: Plan) -> list[str]:
+    """What of ``plan`` the traced mode does not run (empty: all of it)."""
     problems = []
     if plan.layout != "per_param":
         problems.append(f"layout={plan.layout!r} (use layout='per_param': the flat layout's shards are pieces of "
@@ -95,7 +97,14 @@ def _check(plan: Plan) -> None:
             problems.append(f"group {label(g.name)!r}: casts its inputs to {g.param_dtype}, the root group to "
                             f"{root.param_dtype if root.cast_forward_inputs else None} (give the root the same "
                             f"param_dtype, or cast_forward_inputs=False)")
-    if problems:
+    if hooked := [g.name for g in plan.groups if g.comm is not None]:
+        problems.append(f"groups {hooked} have comm hooks (Group.comm), which the traced mode does not run (a plan "
+                        f"without them)")
+    return problems
+
+
+def _check(plan: Plan) -> None:
+    if problems := [p for p in unsupported(plan) if "comm hooks" not in p]:
         raise NotImplementedError(f"funcshard.traced_apply does not support {'; '.join(problems)}; "
                                   f"funcshard.apply does")
 
@@ -231,7 +240,7 @@ def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]
     return unflatten(b, _Gather.forward(b, *shards))
 
 
-def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gathered(plan: Plan, state: Mapping[str, torch.Tensor], what: str = _WHAT) -> dict[str, torch.Tensor]:
     """The full parameters (every alias of a tied one), gathered with one traceable all-gather per group and compute
     dtype; differentiable: each trainable shard's gradient is the reduce-scatter of the full gradient, divided by
     the group's factor, in the shard's dtype. A group that reshards after forward is gathered inside a selective
@@ -242,11 +251,11 @@ def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     if composed:  # a torch.func transform of the state: the primitives' gather (every transform composes)
         pg, rep = plan.shard_group()[0], plan.replicate_group()
         for g in plan.groups:
-            check_reverse_levels(_WHAT, plan.divide_factor_of(g))
+            check_reverse_levels(what, plan.divide_factor_of(g))
     for b in layout(plan).buckets:
         shards = [state[p.path] for p in b.params]
         if composed:
-            params = gather_bucket(b, shards, pg, rep, _WHAT)
+            params = gather_bucket(b, shards, pg, rep, what)
         elif b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
             params = torch.utils.checkpoint.checkpoint(_gather_bucket, b, *shards, use_reentrant=False,
                                                        context_fn=_recompute_context)
@@ -265,21 +274,36 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
 
     Same values and gradients as :func:`funcshard.apply` (gradients reduce-scattered and divided by the plan's
     factor, in the reduce dtype, returned in the shards' dtype; for the shards being differentiated), under
-    ``funcshard.value_and_grad``, ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` (not compiled) or plain autograd;
-    same restrictions on ``state``. Any ``torch.func`` transform of the inputs alone (the shards captured) is the
-    unsharded module's. Refused, naming the transform stack (``NotImplementedError``): a transform of the state
-    other than one grad/vjp level (a jvp of the state, a vmap over stacked states, nested ones: ``vmap(grad(...))``,
-    ``grad(grad(...))``), a vjp function called under vmap (jacrev), and differentiating again a gradient taken
-    with ``create_graph=True`` (a double backward: raised when it reaches the shard gradients), at every world
-    size. Compiled, groups that reshard after forward are gathered again in backward; not
-    compiled, without apply's memory bound.
+    ``funcshard.value_and_grad``, plain autograd or ``torch.func``; same restrictions on ``state``.
+
+    Transforms compose (not compiled): under any ``torch.func`` transform of the state, and nestings of them
+    (``jvp`` of the state, ``vmap(grad(...))`` per-sample gradients as shards with a leading batch dim, ``vmap`` over
+    stacked states with one all-gather per group and compute dtype for all members, ``jvp(grad(...))``, ``jacrev``,
+    ``jacfwd``, ``hessian``), each bucket is gathered by the differentiable collectives
+    (``_primitives.gather_bucket``); a ``create_graph=True`` backward under plain autograd reduce-scatters with them
+    (differentiable again). Any transform of the inputs alone is the unsharded module's. The plan's divide factor
+    is applied at each gather's backward, which is the mean's gradient at one reverse level only: with a factor
+    other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
+    MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
+    (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
+    exact: gradients are sums over ranks). Not refused but first order: a compiled step (``torch.compile`` of a
+    function that nests transforms is not checked). Memory, not compiled: every group's unsharded parameters live
+    from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
+    transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
+    is the compiled path's only.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
     if hooked := [g.name for g in plan.groups if g.comm is not None]:
         raise NotImplementedError(f"traced_apply: groups {hooked} have comm hooks (Group.comm), which the traced mode "
                                   f"does not run; use funcshard.apply, or a plan without them")
+    return run(plan, state, args, kwargs)
+
+
+def run(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, what: str = _WHAT) -> Any:
+    """traced_apply's body, for a checked state (``funcshard.apply`` under nested transforms runs it too: ``what``
+    names the API the user called in refusals)."""
     lay = layout(plan)
     if lay.cast_inputs is not None:
         args, kwargs = cast_floating(lay.cast_inputs, (args, kwargs))
-    out = torch.func.functional_call(plan.module, gathered(plan, state), args, kwargs, tie_weights=False)
+    out = torch.func.functional_call(plan.module, gathered(plan, state, what), args, kwargs, tie_weights=False)
     return out if lay.output_dtype is None else cast_floating(lay.output_dtype, out)
