@@ -70,19 +70,29 @@ _DIVIDED = ("each gather's backward divides the reduce-scattered gradient by the
             "(vmap(grad), jvp(grad), jacfwd(jacrev), hessian compose with the factor)")
 
 
-def check_reverse_levels(what: str, factor: float) -> None:
+_REPLICATED = ("the gradient's sum over HSDP's replicate axis (an all-reduce in each gather's backward) would be "
+               "taken again on cotangents that are already the replicas' sum (a derivative path through two gathers: "
+               "grad(grad(...)), MAML, a create_graph=True gradient differentiated again): measured, MAML's "
+               "second-order term came out twice the reference's on 2 replicas. Use a mesh without a replicate axis "
+               "(FSDP over every data-parallel rank) for second order, or a single reverse level (vmap(grad), "
+               "jvp(grad), hessian compose)")
+
+
+def check_reverse_levels(what: str, factor: float, replicated: bool = False) -> None:
     """A gradient divided by ``factor`` at each gather is only the derivative of the ranks' mean loss at one reverse
-    level: refuse two or more torch.func grad/vjp levels when ``factor != 1``."""
+    level, and a sum over replicas at each gather only the replicas' at one: refuse two or more torch.func grad/vjp
+    levels when ``factor != 1`` or ``replicated``."""
     stack = get_interpreter_stack()
-    if factor != 1.0 and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
-        raise NotImplementedError(
-            f"{what} under {transform_stack(stack)} with a gradient divide factor of {factor:g}: {_DIVIDED}")
+    if (factor != 1.0 or replicated) and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
+        why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
+        raise NotImplementedError(f"{what} under {transform_stack(stack)} {why}")
 
 
-def divided_twice(what: str, factor: float) -> str:
-    """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``."""
-    return (f"{what}: a gradient taken with create_graph=True was differentiated again, with a gradient divide factor "
-            f"of {factor:g}: {_DIVIDED}")
+def divided_twice(what: str, factor: float, replicated: bool = False) -> str:
+    """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``
+    or sums over replicas."""
+    why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
+    return f"{what}: a gradient taken with create_graph=True was differentiated again, {why}"
 
 
 def check_backward_transforms(what: str) -> None:

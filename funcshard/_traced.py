@@ -174,7 +174,8 @@ class _Gather(torch.autograd.Function):
             inp = inp / b.before
         out = inp.reshape(-1)
         create_graph = not compiling and grad.requires_grad and torch.is_grad_enabled()
-        if create_graph and b.before * b.after == 1.0:
+        first_order = b.before * b.after != 1.0 or b.replicate_group is not None  # (check_reverse_levels' rule)
+        if create_graph and not first_order:
             # the differentiable collectives (their backward is the gather again: any order)
             pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
             if b.world > 1:
@@ -192,8 +193,9 @@ class _Gather(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
-        if create_graph and b.before * b.after != 1.0:  # right values, refused if differentiated again
-            for i, g in zip(reduced, _Divided.apply(b.before * b.after, grad, *(grads[i] for i in reduced))):
+        if create_graph and first_order:  # right values, refused if differentiated again
+            refusal = divided_twice(_WHAT, b.before * b.after, b.replicate_group is not None)
+            for i, g in zip(reduced, _Divided.apply(refusal, grad, *(grads[i] for i in reduced))):
                 grads[i] = g
         return None, *grads
 
@@ -209,19 +211,19 @@ def _check_backward(grad: torch.Tensor) -> None:
 
 
 class _Divided(torch.autograd.Function):
-    """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor: their
-    values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming gradient only to be
+    """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor or sums over
+    replicas: their values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming gradient only to be
     differentiated exactly when it could be (an incoming gradient that does not require grad depends on no
     parameter)."""
 
     @staticmethod
-    def forward(ctx, factor, dep, *pieces):
-        ctx.factor = factor
+    def forward(ctx, refusal, dep, *pieces):
+        ctx.refusal = refusal
         return tuple(p.view_as(p) for p in pieces)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError(divided_twice(_WHAT, ctx.factor))
+        raise NotImplementedError(ctx.refusal)
 
 
 def _must_recompute(ctx, func, *args, **kwargs):
@@ -251,7 +253,7 @@ def gathered(plan: Plan, state: Mapping[str, torch.Tensor], what: str = _WHAT) -
     if composed:  # a torch.func transform of the state: the primitives' gather (every transform composes)
         pg, rep = plan.shard_group()[0], plan.replicate_group()
         for g in plan.groups:
-            check_reverse_levels(what, plan.divide_factor_of(g))
+            check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
     for b in layout(plan).buckets:
         shards = [state[p.path] for p in b.params]
         if composed:

@@ -182,7 +182,7 @@ def _paths(m, mesh, kw):
     plan, summed = funcshard.plan(m, mesh, **kw), funcshard.plan(m, mesh, grad_divide_factor=1.0, **kw)
     gathered = lambda s, x: torch.func.functional_call(plan.module, funcshard.gather(plan, s), (x,))  # noqa: E731
     return {
-        "gather": (plan, gathered, W),
+        "gather": (plan, gathered, float(plan.world)),  # (over the shard axis only: HSDP's replicas are not summed)
         "traced": (plan, lambda s, x: funcshard.traced_apply(plan, s, x), 1.0),
         "traced_sum": (summed, lambda s, x: funcshard.traced_apply(summed, s, x), W),
         "apply": (plan, lambda s, x: funcshard.apply(plan, s, x), 1.0),
@@ -195,10 +195,16 @@ _DIVIDED = r"{}.*divide factor of {}: each gather's backward divides.*grad_divid
 _APPLY_JACREV = r"the backward of funcshard\.apply ran under vmap .*jacrev"
 
 
-def _refused(path: str, row: str, world: int) -> str | None:
+_REPLICAS = r"{}.*over HSDP: the gradient's sum over HSDP's replicate axis .* would be taken again"
+
+
+def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
+    if hsdp and path != "gather" and row in SECOND_REVERSE:
+        return (_DIVIDED if path in ("traced", "apply") else _REPLICAS).format(
+            f"funcshard\\.{'apply' if path.startswith('apply') else 'traced_apply'}", world)
     if world > 1 and path in ("traced", "apply") and row in SECOND_REVERSE:
         return _DIVIDED.format(f"funcshard\\.{'apply' if path == 'apply' else 'traced_apply'}", world)
     return None
@@ -236,7 +242,7 @@ def _table_rows(plan, out, c):
         return {n: k * t for n, t in d.items()}
 
     def gnorm(s):  # the global squared norm of the shard gradient: an all-reduce of the local sums
-        return funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(f)(s).values()))
+        return funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(f)(s).values()), plan.mesh)
 
     ref_gnorm = lambda p: sum(t.pow(2).sum() for t in scaled(grad(ref)(p)).values())  # noqa: E731
 
@@ -249,7 +255,8 @@ def _table_rows(plan, out, c):
     def autograd_double():
         s = leaves()
         gs = torch.autograd.grad(f(s), list(s.values()), create_graph=True)
-        return dict(zip(s, torch.autograd.grad(funcshard.all_reduce(sum(t.pow(2).sum() for t in gs)), list(s.values()))))
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in gs), plan.mesh)  # (over the shard axis)
+        return dict(zip(s, torch.autograd.grad(norm2, list(s.values()))))
 
     def autograd_maml():
         s = leaves()
@@ -282,11 +289,12 @@ def _table_rows(plan, out, c):
     }
 
 
-def _table(plans=("root", "per_block"), names=None):
+def _table(plans=("root", "per_block"), names=None, hsdp=False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    W = dist.get_world_size()  # HSDP: every rank a replica (shards of one rank: the replica sum alone)
+    mesh = init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (W,))
     res = {}
     m = _model()
     for pname, kw in _plans(m, mesh).items():
@@ -312,13 +320,13 @@ def _table(plans=("root", "per_block"), names=None):
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: see test_apply_create_graph_is_first_order
 
 
-def _check_table(res, world):
+def _check_table(res, world, hsdp=False):
     import re
 
     assert res
     for key, got in res.items():
         path, _, row = key.split("/")
-        want = _refused(path, row, world)
+        want = _refused(path, row, world, hsdp)
         if want is None:
             assert got is True, (key, got)
         else:
@@ -328,7 +336,7 @@ def _check_table(res, world):
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_table(world):
     """The issue's table on gather + functional_call, traced_apply and apply (the plan's divide factor, and
-    grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only): jvp w.r.t. the state and the
+    grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only; W=2: also HSDP): jvp w.r.t. the state and the
     inputs, vmap(grad) per-sample gradients (shards with a leading batch dim), grad of a gradient norm (torch.func and
     autograd create_graph), MAML (both), jvp(grad) HVP, vmap over stacked states (values and gradients), jacrev; fp32
     against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels through a
@@ -337,6 +345,9 @@ def test_table(world):
     for res in run_ranks(world, _table, plans):
         assert len(res) == len(plans) * (5 * 12 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
+    if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
+        for res in run_ranks(world, _table, ("root",), None, True):
+            _check_table(res, world, hsdp=True)
 
 
 def _apply_create_graph():
