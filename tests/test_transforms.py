@@ -429,3 +429,68 @@ def test_collective_counts():
     for path in ("gather", "traced"):
         assert out[path, "ensemble", 2] == out[path, "ensemble", 4] == out[path, "grad"] == per_group, out
     assert out["gather", "autograd"] == per_group, out
+
+
+# ---- transform stacks up to depth 3 over the collectives ---------------------------------------------------------
+
+SCALES = (1.0, -0.5)
+
+
+def _stacked(stack: str, local, ref, t, T):
+    """Apply ``stack`` (G: grad of sin(.).sum(), J: jvp along this rank's tangent, V: vmap over scaled copies of the
+    input), innermost last, to a rank's ``local`` x -> y and to the one-process ``ref`` X -> (W, ...) of every
+    rank's y."""
+    from torch.func import grad, jvp, vmap
+
+    sc = torch.tensor(SCALES, dtype=torch.float64)
+    for k in reversed(stack):
+        if k == "G":
+            local = (lambda h: lambda x: grad(lambda x: torch.sin(h(x)).sum())(x))(local)
+            ref = (lambda H: lambda X: grad(lambda X: torch.sin(H(X)).sum())(X))(ref)
+        elif k == "J":
+            local = (lambda h: lambda x: jvp(h, (x,), (t,))[1])(local)
+            ref = (lambda H: lambda X: jvp(H, (X,), (T,))[1])(ref)
+        else:
+            local = (lambda h: lambda x: vmap(h)(x[None] * sc.view(-1, 1, 1)))(local)
+            ref = (lambda H: lambda X: vmap(H)(X[None] * sc.view(-1, 1, 1, 1)).movedim(0, 1))(ref)
+    return local, ref
+
+
+def _stacks(stacks):
+    import torch.distributed as dist
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    d = _data(W)
+    X, T = d["X"], d["T"]
+    local = lambda x: _local(x, d["ws"][r], d["cs"][r])  # noqa: E731
+    ref = lambda X: _sim(X, d["ws"], d["cs"])  # noqa: E731
+    out = {}
+    for stack in stacks:
+        # (a fresh tangent: torch.func's jvp batches, under vmap, a tangent laid out unlike its primal (T[1], a view
+        # at an offset) and not T[0]: the ranks would then issue different collectives; docs/transforms.md)
+        f, F = _stacked(stack, local, ref, T[r].clone(), T)
+        a, b = f(X[r]), F(X)[r]
+        out[stack] = a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+    return out
+
+
+_DEPTH3 = ("GGG", "VGJ", "JGV", "GJV", "VJG", "GVG")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_depth_three_stacks(world):
+    """Six depth-3 stacks of grad / jvp / vmap over the three collectives, each against the same stack of the
+    one-process simulation (float64, 1e-9)."""
+    for res in run_ranks(world, _stacks, _DEPTH3):
+        assert len(res) == len(_DEPTH3) and all(res.values()), res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_stack_to_depth_three(world):
+    """All 39 stacks of grad / jvp / vmap of depth 1 to 3."""
+    import itertools
+
+    stacks = ["".join(p) for n in (1, 2, 3) for p in itertools.product("GJV", repeat=n)]
+    for res in run_ranks(world, _stacks, stacks):
+        assert len(res) == 39 and all(res.values()), {k: v for k, v in res.items() if not v}
