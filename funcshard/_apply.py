@@ -14,6 +14,8 @@ from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
 from funcshard._shard import check_state
+from funcshard._traced import run as traced_run, unsupported
+from funcshard._compat import TransformType, get_interpreter_stack
 
 
 def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -36,6 +38,16 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     ``funcshard.value_and_grad``; ``torch.func`` transforms refuse such updates (a RuntimeError that says so and names
     the buffers): use eval mode or ``track_running_stats=False`` there.
 
+    Under nested ``torch.func`` transforms (anything but one grad/vjp or jvp level: ``vmap(grad(...))`` per-sample
+    gradients, ``vmap`` over stacked states, ``jvp(grad(...))``, ``jacfwd``, ``hessian``, a vmap over the inputs,
+    ``grad(grad(...))`` with ``grad_divide_factor=1.0``) it runs :func:`funcshard.traced_apply`'s body, which composes
+    and gives the plan's numbers (same gathers, divide factor, dtypes); its parameters stay gathered for the nested
+    transform's life (no reshard after forward, no prefetch schedule), and what it refuses it refuses naming the
+    transform stack. Plans the traced mode does not run (layout="flat", comm hooks, a non-root group's own casts;
+    and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of apply called under vmap (``jacrev`` of apply) is refused;
+    ``torch.autograd.grad(create_graph=True)`` through apply gives first-order gradients (a warning says so):
+    differentiate twice with ``traced_apply`` or ``gather``.
+
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So
     ``torch.compile(..., fullgraph=True)`` cannot trace it (dynamo's error carries the way out):
@@ -48,6 +60,10 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
         *args: the module's positional inputs (this rank's batch).
         **kwargs: the module's keyword inputs.
     """
+    if _nested(plan):  # (a transform stack apply's runtime does not take: the traced path, which composes)
+        check_state(plan, state)
+        check_mesh(plan.mesh)
+        return traced_run(plan, state, args, kwargs, "funcshard.apply")
     step, args, kwargs = _enter(plan, state, args, kwargs)
     try:
         out = plan.module(*args, **kwargs)
@@ -57,6 +73,16 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
             raise explained from e
         raise
     return _exit(step, out)
+
+
+def _nested(plan: Plan) -> bool:
+    """Whether a torch.func transform stack other than the runtime's own (none, or one grad/vjp or jvp level) is
+    active, and the traced mode runs the plan (else apply's ``check_transforms`` refuses it)."""
+    stack = get_interpreter_stack()
+    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
+        return False
+    return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
+                or any(g.offload_to_cpu for g in plan.groups))
 
 
 @runtime_boundary

@@ -10,6 +10,9 @@ of the tangent) and vmap (the batch dim moved off dim 0) rule beside it. Their w
 
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -23,8 +26,9 @@ from funcshard._collectives import (
 )
 from funcshard._compat import TransformType, dispatch_keys, get_interpreter_stack
 from funcshard._mesh import shard_group
+from funcshard._spec import ShardSpec, from_split, unpad
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce"]  # (and, internal: a bucket's composable gather)
 
 
 def transform_stack(stack=None) -> str:
@@ -58,6 +62,39 @@ def check_transforms(what: str, kinds=(TransformType.Grad, TransformType.Jvp), f
     )
 
 
+_DIVIDED = ("each gather's backward divides the reduce-scattered gradient by the plan's factor, so a derivative "
+            "path through two gathers of the parameters (a gradient differentiated again: grad(grad(...)), MAML, "
+            "jacrev(jacrev(...)), autograd.grad(create_graph=True) then backward) would be divided twice. Plan with "
+            "grad_divide_factor=1.0 (gradients are then sums over ranks, exact at every order; divide the loss by the "
+            "number of ranks to get the mean's), or use funcshard.gather (sums), or take a single reverse level "
+            "(vmap(grad), jvp(grad), jacfwd(jacrev), hessian compose with the factor)")
+
+
+_REPLICATED = ("the gradient's sum over HSDP's replicate axis (an all-reduce in each gather's backward) would be "
+               "taken again on cotangents that are already the replicas' sum (a derivative path through two gathers: "
+               "grad(grad(...)), MAML, a create_graph=True gradient differentiated again): measured, MAML's "
+               "second-order term came out twice the reference's on 2 replicas. Use a mesh without a replicate axis "
+               "(FSDP over every data-parallel rank) for second order, or a single reverse level (vmap(grad), "
+               "jvp(grad), hessian compose)")
+
+
+def check_reverse_levels(what: str, factor: float, replicated: bool = False) -> None:
+    """A gradient divided by ``factor`` at each gather is only the derivative of the ranks' mean loss at one reverse
+    level, and a sum over replicas at each gather only the replicas' at one: refuse two or more torch.func grad/vjp
+    levels when ``factor != 1`` or ``replicated``."""
+    stack = get_interpreter_stack()
+    if (factor != 1.0 or replicated) and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
+        why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
+        raise NotImplementedError(f"{what} under {transform_stack(stack)} {why}")
+
+
+def divided_twice(what: str, factor: float, replicated: bool = False) -> str:
+    """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``
+    or sums over replicas."""
+    why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
+    return f"{what}: a gradient taken with create_graph=True was differentiated again, {why}"
+
+
 def check_backward_transforms(what: str) -> None:
     """The same rule for the backward: a vjp function called under vmap (torch.func.jacrev, vmap over
     vjp_fn) hands the sharded gather batched cotangents, which its reduce-scatter would fold together."""
@@ -71,15 +108,17 @@ def check_backward_transforms(what: str) -> None:
         )
 
 
-def check_batched_grads(what: str, grads) -> None:
+def check_batched_grads(what: str, grads, *, vmapped: bool = True) -> None:
     """Plain autograd's batched backward (torch.autograd.grad(..., is_grads_batched=True)) hands the sharded
-    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's."""
+    gather batched gradients (a dispatch key, not a torch.func level): refuse them as vmap's. ``vmapped=False``:
+    refuse only those (the public collectives' vmap rules take torch.func's batched gradients)."""
     g = next((g for g in grads if g is not None), None)
-    if g is not None and "Batched" in repr(dispatch_keys(g)):  # (the key is not in Python's enum)
+    keys = "" if g is None else repr(dispatch_keys(g))  # (the keys are not in Python's enum)
+    if re.search(r"\bBatched\b" if not vmapped else "Batched", keys):
         raise NotImplementedError(
             f"the backward of {what} got batched gradients (torch.autograd.grad(..., is_grads_batched=True)): "
             f"batched cotangents through the sharded gather are not built yet; call torch.autograd.grad once per "
-            f"cotangent (retain_graph=True)")
+            f"cotangent (retain_graph=True), or use torch.func.vmap over torch.func.vjp's function")
 
 
 def _group_of(where) -> dist.ProcessGroup:
@@ -91,9 +130,20 @@ def _group_of(where) -> dist.ProcessGroup:
 
 
 # ---- differentiable collectives (dim 0; under autograd and torch.func) --------------------------
+#
+# Complete torch.func primitives, as JAX's: forward runs the raw c10d call on plain tensors (functorch has unwrapped
+# every level by then); backward is the transposed collective's own Function.apply (so it is differentiable again:
+# derivatives of any order, torch.autograd.grad(create_graph=True)); jvp is the collective of the tangent (they are
+# linear); vmap moves the batch dim off dim 0 (to dim 1) and issues one collective for the whole batch.
+
+
+def _dim0(x: torch.Tensor, what: str) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{what} works on dim 0 and got a 0-dim tensor; reshape it to (1,) first")
 
 
 def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Tensor:
+    _dim0(x, what)
     w = dist.get_world_size(group)
     where = public_where("all-gather", what, group)
     x = x.contiguous()
@@ -103,10 +153,11 @@ def _ag(x: torch.Tensor, group, what: str = "funcshard.all_gather") -> torch.Ten
 
 
 def _rs(x: torch.Tensor, group, what: str = "funcshard.reduce_scatter") -> torch.Tensor:
+    _dim0(x, what)
     w = dist.get_world_size(group)
     if x.shape[0] % w:
         raise ValueError(
-            f"reduce_scatter needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
+            f"{what} needs dim 0 divisible by the group size {w}, got shape {tuple(x.shape)}; pad it"
         )
     where = public_where("reduce-scatter", what, group)
     x = x.contiguous()
@@ -121,12 +172,18 @@ def _ar(x: torch.Tensor, group, what: str = "funcshard.all_reduce") -> torch.Ten
     return out
 
 
-def _batched(fn, x, bdim, group):
-    """vmap rule: move the batch dim to 1 so dim 0 stays the collective's dim."""
+def _batched(fn, x: torch.Tensor, bdim, group, what: str):
+    """vmap rule of a dim-0 collective: the batch dim moved to 1, so dim 0 stays the collective's; one collective for
+    the whole batch, its output batched on dim 1."""
     if bdim is None:
         return fn(x, group), None
-    x = x.movedim(bdim, 1) if x.dim() > 1 else x.movedim(bdim, 0).unsqueeze(0)
-    return fn(x, group), 1
+    if x.dim() < 2:  # (a 0-dim tensor per example: the collective has no dim 0)
+        _dim0(x.select(bdim, 0), what)
+    return fn(x.movedim(bdim, 1), group), 1
+
+
+def _raw_grads(what: str, g: torch.Tensor) -> None:
+    check_batched_grads(what, (g,), vmapped=False)
 
 
 class _AllGather(torch.autograd.Function):
@@ -141,8 +198,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _rs(g, ctx.group, "the backward of funcshard.all_gather"), None
+        _raw_grads("funcshard.all_gather", g)
+        return _ReduceScatter.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -150,7 +207,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, group):
-        return _batched(_AllGather.apply, x, in_dims[0], group)
+        return _batched(_AllGather.apply, x, in_dims[0], group, "funcshard.all_gather")
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -165,8 +222,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _ag(g, ctx.group, "the backward of funcshard.reduce_scatter"), None
+        _raw_grads("funcshard.reduce_scatter", g)
+        return _AllGather.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -174,7 +231,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, group):
-        return _batched(_ReduceScatter.apply, x, in_dims[0], group)
+        return _batched(_ReduceScatter.apply, x, in_dims[0], group, "funcshard.reduce_scatter")
 
 
 class _AllReduce(torch.autograd.Function):
@@ -189,8 +246,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        with no_functorch():
-            return _ar(g, ctx.group, "the backward of funcshard.all_reduce"), None
+        _raw_grads("funcshard.all_reduce", g)
+        return _AllReduce.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -201,9 +258,70 @@ class _AllReduce(torch.autograd.Function):
         return _AllReduce.apply(x, group), in_dims[0]
 
 
+class _ReplicaSum(torch.autograd.Function):
+    """The identity on a tensor every rank of ``group`` holds the same (a replicated parameter); backward: the sum
+    of the ranks' cotangents (``all_reduce``, differentiable again); jvp: the tangent."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, group):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllReduce.apply(g, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t.clone()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity whose backward divides the cotangent by ``factor`` (a data-parallel mean's divide, at any order:
+    the backward is a plain division); jvp: the tangent."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, factor):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.factor, None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t.clone()
+
+
+def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
+    return _ReplicaSum.apply(x, group)
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x``, whose gradient is divided by ``factor`` (at every order)."""
+    return x if factor == 1.0 else _ScaleGrad.apply(x, factor)
+
+
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0. Backward: reduce-scatter (sum). ``group``: a
     ProcessGroup, a DeviceMesh (its shard axis, ``_mesh.dp_axes``) or None (the default group).
+
+    A complete ``torch.func`` primitive, as the other two: its backward is the differentiable transposed collective
+    (derivatives of any order, ``torch.autograd.grad(create_graph=True)``), its jvp the collective of the tangent, and
+    under ``vmap`` one collective for the whole batch (the batch dim kept off dim 0). Not under
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (refused: use ``torch.func.vmap`` over a vjp function).
 
     Like the three public collectives (and their backward), it waits at most ``FUNCSHARD_TIMEOUT`` seconds (else 300)
     on gloo, then raises ``CollectiveTimeout`` naming it, and the group is refused afterwards (a rank that never
@@ -219,3 +337,87 @@ def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks. Backward: all-reduce (sum) of the cotangent."""
     return _AllReduce.apply(x, _group_of(group))
+
+
+# ---- a bucket of parameters gathered by these primitives (composes under every transform) ----------------------
+
+
+class Param(NamedTuple):
+    """One parameter's place in its bucket (plain data: what traced code reads as constants)."""
+
+    path: str
+    dtype: torch.dtype  # the shard's
+    numel: int  # local
+    local_shape: tuple[int, ...]
+    dim: int
+    padded_shape: tuple[int, ...]
+    size: int  # global size of the shard dim (the unpadded rows)
+    padding: int
+    shape: tuple[int, ...]
+    aliases: tuple[str, ...]
+
+
+class Bucket(NamedTuple):
+    """One all-gather (and the reduce-scatter of its backward): a group's parameters of one compute dtype."""
+
+    group: str
+    compute: torch.dtype
+    reduce: torch.dtype
+    before: float  # the divide factor's part applied before the reduce-scatter (fp16), and after it
+    after: float
+    world: int
+    shard_group: str  # process group names (functional collectives take names)
+    replicate_group: str | None
+    params: tuple[Param, ...]
+    recompute: bool  # gather again in backward (reshard_after_forward), under torch.compile
+
+
+@torch.compiler.assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
+def geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, which dynamo does not trace)
+    """``(local numel, local shape, dim, padded shape, size, padding)`` of a parameter of ``shape`` sharded on ``dim``
+    over ``world`` ranks: ``ShardSpec``'s, from plain arguments (a frozen dataclass argument is one torch 2.11's
+    dynamo cannot pass)."""
+    s = ShardSpec("", shape, torch.float32, dim, 0, world)
+    return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
+
+
+def bucket_param(s: ShardSpec) -> Param:
+    """A planned parameter's ``Param``."""
+    return Param(s.fqn, s.dtype, *geometry(s.shape, s.dim, s.world), s.shape, s.aliases)
+
+
+def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The bucket's parameters out of its all-gather output ``(world * n,)``, rank-major (padding dropped)."""
+    full = full.view(b.world, -1)
+    out, k = [], 0
+    for p in b.params:
+        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+        k += p.numel
+        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
+    return tuple(out)
+
+
+def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:
+    """The bucket's parameters (cast to ``b.compute``) from this rank's ``shards``, made of the primitives above and
+    plain torch ops only, so that every torch.func transform and nesting composes (grad of grad, vmap over stacked
+    shards: one all-gather for the whole batch, per-sample gradients: one reduce-scatter). Gradients: the
+    reduce-scatter (sum) over ``group`` of the full gradients in ``b.reduce``, divided by ``b.before`` before and
+    ``b.after`` after it (``_policy.divide_factors``), all-reduced (sum) over ``replicate`` (HSDP), in the shards'
+    dtypes. Gathers in ``b.reduce`` where it is not the compute dtype (exact when the shards are in that dtype: the
+    cast commutes with the gather), so that the backward reduces in it; other shard dtypes are refused."""
+    gd = b.compute
+    if b.reduce != b.compute:
+        if any(s.dtype != b.reduce for s in shards):
+            raise NotImplementedError(
+                f"{what} under a torch.func transform: group {b.group!r} computes in {b.compute} and reduces in "
+                f"{b.reduce}, with shards in {sorted({str(s.dtype) for s in shards})}; the composable gather reduces "
+                f"in the dtype it gathers in, exact only for shards in the reduce dtype. Keep the shards in "
+                f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
+        gd = b.reduce
+    flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
+    flat = scale_grad(flat, b.after)
+    if replicate is not None:
+        flat = replica_sum(flat, replicate)
+    full = _AllGather.apply(flat, group) if b.world > 1 else flat
+    full = scale_grad(full, b.before).to(b.compute)
+    return unflatten(b, full)

@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_functorch, raw
 from funcshard._pipeline import Buckets, gather_tangents, jvp_of_gather, reduce_scatter_grads
-from funcshard._primitives import check_backward_transforms, check_transforms
+from funcshard._primitives import Bucket, bucket_param, check_backward_transforms, check_transforms, gather_bucket
 from funcshard._checkpoint_dcp import mark
-from funcshard._compat import dtensor_local, is_batchedtensor
+from funcshard._compat import dtensor_local, get_interpreter_stack
 from funcshard._compile import runtime_boundary
 from funcshard._layout import expected_shards, full_layouts
 from funcshard._mesh import check_mesh, device_of, mesh_str
@@ -146,7 +146,9 @@ def _local(spec, v: torch.Tensor) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """One group's shards -> full parameters. Backward: reduce-scatter (sum), the exact transpose."""
+    """One group's shards -> full parameters, through the group's bucketed pipeline (the plain-autograd path, and a
+    flat layout's single transform level). Backward: reduce-scatter (sum), the exact transpose; with
+    ``create_graph=True`` a differentiable one (``_ScatterGrads``: derivatives of any order)."""
 
     @staticmethod
     def forward(layout: Buckets, pg, rank: int, *shards: torch.Tensor):
@@ -160,6 +162,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         check_backward_transforms("funcshard.gather")
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):  # create_graph=True
+            return (None, None, None, *_ScatterGrads.apply(ctx.layout, ctx.pg, ctx.rank, ctx.device, *grads))
         with no_functorch():
             out = reduce_scatter_grads(ctx.layout, [None if g is None else raw(g) for g in grads], ctx.pg, 1.0,
                                        ctx.device)
@@ -172,9 +176,41 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         raise NotImplementedError(
-            "funcshard.gather under torch.func.vmap with batched shards is not supported (nor are gather and "
-            "apply under vmap at all yet): gather the parameters outside vmap and vmap the unsharded function"
-        )
+            "funcshard.gather of a layout='flat' plan under torch.func.vmap is not supported: plan with "
+            "layout='per_param' (its gather composes with every transform), or gather outside vmap")
+
+
+class _ScatterGrads(torch.autograd.Function):
+    """``_Gather``'s backward under ``create_graph=True``: the reduce-scatter of the full gradients, whose own
+    backward is the gather of the cotangents (``_Gather`` again), so a double backward (MAML, a Hessian-vector
+    product) gets every term through the gather."""
+
+    @staticmethod
+    def forward(layout: Buckets, pg, rank: int, device, *grads):
+        with no_functorch():
+            return tuple(reduce_scatter_grads(layout, [None if g is None else raw(g) for g in grads], pg, 1.0, device))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layout, ctx.pg, ctx.rank = inputs[0], inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        check_backward_transforms("funcshard.gather")
+        return (None, None, None, None, *_Gather.apply(ctx.layout, ctx.pg, ctx.rank, *grads))
+
+
+def _buckets(plan: Plan) -> tuple[Bucket, ...]:
+    """One bucket per group and shard dtype (gather casts nothing, divides nothing, all-reduces over no replicas)."""
+    name = plan.mesh.get_group(plan.shard_axis).group_name
+    out = []
+    for g in plan.groups:
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in g.params:
+            by_dtype.setdefault(plan.specs[p].dtype, []).append(bucket_param(plan.specs[p]))
+        out += [Bucket(g.name, dt, dt, 1.0, 1.0, plan.world, name, None, tuple(ps), False)
+                for dt, ps in by_dtype.items()]
+    return tuple(out)
 
 
 @runtime_boundary  # (under torch.compile: a graph break; traced_apply's gather is the traceable one)
@@ -183,7 +219,17 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
     Differentiable (autograd and torch.func): the gradient of a shard is the reduce-scatter (sum over
     ranks) of the full gradient, the transpose of the all-gather; nothing is averaged here. One all-gather
-    per group and dtype.
+    per group and dtype (and, in backward, one reduce-scatter).
+
+    Composes: under any ``torch.func`` transform and nesting of them (``grad``, ``vjp``, ``jvp``, ``vmap``,
+    ``jacrev``, ``jacfwd``, ``hessian``: ``grad(grad(...))``, ``vmap(grad(...))`` per-sample gradients, which come
+    back as shards with a leading batch dim, ``jvp(grad(...))``), and with ``torch.autograd.grad(create_graph=True)``
+    (a double backward). Under a transform it gathers with the differentiable collectives (``funcshard.all_gather``:
+    backward the differentiable reduce-scatter, jvp the gather of the tangent); under ``vmap`` over stacked states
+    (every shard with a leading member dim: an ensemble) it issues one all-gather per group and dtype for all the
+    members. A ``layout="flat"`` plan composes with one grad/vjp or jvp level only (refused otherwise, naming the
+    transform stack). Memory: what autograd saves, as for any function of the parameters; a nested transform keeps
+    what its outer levels need (the full parameters, for a double backward) until it returns.
 
     Args:
         plan: from :func:`funcshard.plan`.
@@ -191,18 +237,36 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     """
     check_state(plan, state)
     check_mesh(plan.mesh)
-    if not any(is_batchedtensor(v) for v in state.values()):  # those reach _Gather.vmap
-        check_transforms("funcshard.gather")
-    lay = full_layouts(plan)  # (the shards' dtypes: mixed precision casts for compute, not for gather)
     pg = plan.mesh.get_group(plan.shard_axis)
+    if get_interpreter_stack():
+        if plan.layout == "per_param":
+            return _composed(plan, state, pg)
+        check_transforms("funcshard.gather", fix="plan with layout='per_param' (its gather composes); otherwise ")
+    lay = full_layouts(plan)  # (the shards' dtypes: mixed precision casts for compute, not for gather)
     rank = plan.mesh.get_local_rank(plan.shard_axis)
     out: dict[str, torch.Tensor] = {}
     for g in plan.groups:
         if not g.params:
             continue
-        shards = [state[p] for p in g.params]
-        if g.offload_to_cpu:  # (host shards: gathered on the mesh's device; differentiable copies)
-            shards = [s.to(device_of(plan.mesh, "funcshard.gather")) for s in shards]
-        full = _Gather.apply(lay[g.name], pg, rank, *shards)
+        full = _Gather.apply(lay[g.name], pg, rank, *_on_device(plan, g, state))
         out.update((p, plan.specs[p].present(t)) for p, t in zip(g.params, full))
+    return out
+
+
+def _on_device(plan: Plan, g, state: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    shards = [state[p] for p in g.params]
+    if g.offload_to_cpu:  # (host shards: gathered on the mesh's device; differentiable copies)
+        shards = [s.to(device_of(plan.mesh, "funcshard.gather")) for s in shards]
+    return shards
+
+
+def _composed(plan: Plan, state: Mapping[str, torch.Tensor], pg) -> dict[str, torch.Tensor]:
+    """gather under a torch.func transform: each bucket through ``_primitives.gather_bucket``."""
+    groups = {g.name: g for g in plan.groups}
+    out: dict[str, torch.Tensor] = {}
+    for b in plan.derived("gather_buckets", _buckets):
+        g = groups[b.group]
+        on_device = dict(zip(g.params, _on_device(plan, g, state)))
+        full = gather_bucket(b, [on_device[p.path] for p in b.params], pg)
+        out.update((p.path, plan.specs[p.path].present(t)) for p, t in zip(b.params, full))
     return out

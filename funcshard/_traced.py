@@ -14,7 +14,8 @@ function of the shards made of traceable ops, so ``torch.compile(step, fullgraph
   shard does not require grad, or is not among the arguments ``value_and_grad`` differentiates, costs no traffic; a
   group with none has no reduce-scatter), the plan's divide factor split before and after it as
   ``_policy.divide_factors`` splits it, an all-reduce over the replicate axis (HSDP), and each shard's gradient cast
-  back to the shard's dtype. First order only (no gradient of the gradient).
+  back to the shard's dtype. Under torch.func transforms of the state (eagerly) the collectives are
+  ``funcshard.all_gather`` / ``reduce_scatter`` instead, which compose (``traced_apply``'s docstring).
 
 Where the Plan decides and where the compiler takes over:
 
@@ -55,52 +56,33 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcshard._primitives import check_backward_transforms, check_batched_grads, check_transforms
-from funcshard._compat import TransformType, c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
+from funcshard._primitives import (
+    Bucket,
+    all_reduce,
+    bucket_param,
+    check_backward_transforms,
+    check_batched_grads,
+    check_reverse_levels,
+    divided_twice,
+    gather_bucket,
+    reduce_scatter,
+    unflatten,
+)
+from funcshard._compat import c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
 from funcshard._plan import Plan
 from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import label
 from funcshard._shard import check_state
-from funcshard._spec import ShardSpec, from_split, unpad
-
-
-class _Param(NamedTuple):
-    """One parameter's place in its bucket (plain data: what the traced code reads as constants)."""
-
-    path: str
-    dtype: torch.dtype  # the shard's
-    numel: int  # local
-    local_shape: tuple[int, ...]
-    dim: int
-    padded_shape: tuple[int, ...]
-    size: int  # global size of the shard dim (the unpadded rows)
-    padding: int
-    shape: tuple[int, ...]
-    aliases: tuple[str, ...]
-
-
-class _Bucket(NamedTuple):
-    """One all-gather (and the reduce-scatter of its backward): a group's parameters of one compute dtype."""
-
-    group: str
-    compute: torch.dtype
-    reduce: torch.dtype
-    before: float  # the divide factor's part applied before the reduce-scatter (fp16), and after it
-    after: float
-    world: int
-    shard_group: str  # process group names (functional collectives take names)
-    replicate_group: str | None
-    params: tuple[_Param, ...]
-    recompute: bool  # gather again in backward (reshard_after_forward), under torch.compile
 
 
 class _Layout(NamedTuple):
-    buckets: tuple[_Bucket, ...]
+    buckets: tuple[Bucket, ...]
     cast_inputs: torch.dtype | None
     output_dtype: torch.dtype | None
 
 
-def _check(plan: Plan) -> None:
+def unsupported(plan: Plan) -> list[str]:
+    """What of ``plan`` the traced mode does not run (empty: all of it)."""
     problems = []
     if plan.layout != "per_param":
         problems.append(f"layout={plan.layout!r} (use layout='per_param': the flat layout's shards are pieces of "
@@ -115,7 +97,14 @@ def _check(plan: Plan) -> None:
             problems.append(f"group {label(g.name)!r}: casts its inputs to {g.param_dtype}, the root group to "
                             f"{root.param_dtype if root.cast_forward_inputs else None} (give the root the same "
                             f"param_dtype, or cast_forward_inputs=False)")
-    if problems:
+    if hooked := [g.name for g in plan.groups if g.comm is not None]:
+        problems.append(f"groups {hooked} have comm hooks (Group.comm), which the traced mode does not run (a plan "
+                        f"without them)")
+    return problems
+
+
+def _check(plan: Plan) -> None:
+    if problems := [p for p in unsupported(plan) if "comm hooks" not in p]:
         raise NotImplementedError(f"funcshard.traced_apply does not support {'; '.join(problems)}; "
                                   f"funcshard.apply does")
 
@@ -124,6 +113,7 @@ def _layout(plan: Plan) -> _Layout:
     _check(plan)
     pg, _ = plan.shard_group()
     rep = plan.replicate_group()
+    _GROUPS.update((g.group_name, g) for g in (pg, rep) if g is not None)
     buckets = []
     for g in plan.groups:
         by_dtype: dict[torch.dtype, list] = {}
@@ -133,21 +123,15 @@ def _layout(plan: Plan) -> _Layout:
         for dt, specs in by_dtype.items():
             rdt = reduce_dtype_of(dt, g.reduce_dtype)
             before, after = divide_factors(plan.divide_factor_of(g), rdt)
-            buckets.append(_Bucket(
+            buckets.append(Bucket(
                 g.name, dt, rdt, before, after, plan.world, pg.group_name, None if rep is None else rep.group_name,
-                tuple(_Param(s.fqn, s.dtype, *_geometry(s.shape, s.dim, s.world), s.shape, s.aliases) for s in specs),
+                tuple(bucket_param(s) for s in specs),
                 bool(g.reshard_after_forward)))
     root = plan.groups[0]
     return _Layout(tuple(buckets), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
 
 
-@torch.compiler.assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
-def _geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, which dynamo does not trace)
-    """``(local numel, local shape, dim, padded shape, size, padding)`` of a parameter of ``shape`` sharded on ``dim``
-    over ``world`` ranks: ``ShardSpec``'s, from plain arguments (a frozen dataclass argument is one torch 2.11's
-    dynamo cannot pass)."""
-    s = ShardSpec("", shape, torch.float32, dim, 0, world)
-    return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
+_GROUPS: dict = {}  # process group name -> group: the differentiable backward's (create_graph=True) collectives
 
 
 def layout(plan: Plan) -> _Layout:
@@ -165,7 +149,7 @@ class _Gather(torch.autograd.Function):
     backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring)."""
 
     @staticmethod
-    def forward(b: _Bucket, *shards: torch.Tensor) -> torch.Tensor:
+    def forward(b: Bucket, *shards: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([s.reshape(-1).to(b.compute) for s in shards])
         if b.world == 1:
             return flat
@@ -177,7 +161,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        b: _Bucket = ctx.bucket
+        b: Bucket = ctx.bucket
         compiling = torch.compiler.is_compiling()  # (dynamo traces this backward: no functorch levels to read)
         if not compiling:
             _check_backward(grad)
@@ -189,19 +173,29 @@ class _Gather(torch.autograd.Function):
         if b.before != 1.0:
             inp = inp / b.before
         out = inp.reshape(-1)
-        with torch.no_grad():  # first order only (and torch 2.13 registers autograd for these ops with a
-            if b.world > 1:    # Function that torch.func's transforms refuse)
-                out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
-            if b.replicate_group is not None:
-                out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
+        create_graph = not compiling and grad.requires_grad and torch.is_grad_enabled()
+        first_order = b.before * b.after != 1.0 or b.replicate_group is not None  # (check_reverse_levels' rule)
+        if create_graph and not first_order:
+            # the differentiable collectives (their backward is the gather again: any order)
+            pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
+            if b.world > 1:
+                out = reduce_scatter(out, pg)
+            if rep is not None:
+                out = all_reduce(out, rep)
+        else:
+            with torch.no_grad():  # (torch 2.13 registers autograd for these ops with a Function that torch.func's
+                if b.world > 1:    # transforms refuse; first order needs none)
+                    out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
+                if b.replicate_group is not None:
+                    out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
         if b.after != 1.0:
             out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
-        if not compiling and grad.requires_grad and torch.is_grad_enabled() and not get_interpreter_stack():
-            # create_graph=True (torch.func.grad's own backward has grad mode on too: one level, checked in forward)
-            for i, g in zip(reduced, _FirstOrder.apply(grad, *(grads[i] for i in reduced))):
+        if create_graph and first_order:  # right values, refused if differentiated again
+            refusal = divided_twice(_WHAT, b.before * b.after, b.replicate_group is not None)
+            for i, g in zip(reduced, _Divided.apply(refusal, grad, *(grads[i] for i in reduced))):
                 grads[i] = g
         return None, *grads
 
@@ -209,39 +203,27 @@ class _Gather(torch.autograd.Function):
 _WHAT = "funcshard.traced_apply"
 
 
-def _check_forward(state: Mapping[str, torch.Tensor]) -> None:
-    """The transforms the traced gather gets right: any over the inputs alone (the shards are constants to them),
-    and one grad/vjp level over the state. Its all-gather has no jvp or vmap rule (a jvp of the state got a zero
-    tangent, a vmap over stacked states another rank's rows) and its backward is first order (a grad of a grad got
-    zeros): apply's rule (``check_transforms``), jvp left out."""
-    if get_interpreter_stack() and any(is_functorch_wrapped_tensor(t) for t in state.values()):
-        check_transforms(_WHAT, kinds=(TransformType.Grad,), fix="for a jvp of the state use funcshard.apply; otherwise ")
-
-
 def _check_backward(grad: torch.Tensor) -> None:
-    """apply's backward rules: no batched cotangents (vmap over a vjp function, jacrev)."""
+    """The c10d gather's backward rules (its forward ran under no torch.func transform of the state): no batched
+    cotangents (plain autograd's is_grads_batched, a vmap around a plain-autograd backward)."""
     check_backward_transforms(_WHAT)
     check_batched_grads(_WHAT, (grad,))
 
 
-class _FirstOrder(torch.autograd.Function):
-    """The shard gradients of a backward with create_graph=True: their values, and a backward that raises. The
-    reduce-scatter carries no graph, so a derivative of these gradients (a double backward: MAML, a Hessian-vector
-    product) would miss every term through the gather. Depends on the incoming gradient only to be differentiated
-    exactly when it could be: an incoming gradient that does not require grad depends on no parameter, and then the
-    terms through the gather are zero (the values returned are right)."""
+class _Divided(torch.autograd.Function):
+    """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor or sums over
+    replicas: their values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming gradient only to be
+    differentiated exactly when it could be (an incoming gradient that does not require grad depends on no
+    parameter)."""
 
     @staticmethod
-    def forward(ctx, dep, *pieces):
+    def forward(ctx, refusal, dep, *pieces):
+        ctx.refusal = refusal
         return tuple(p.view_as(p) for p in pieces)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError(
-            f"{_WHAT}: a gradient taken with create_graph=True (torch.autograd.grad(..., create_graph=True), or a "
-            f"torch.func.vjp function) was differentiated again (a double backward); the traced gather's gradients "
-            f"are first order, so this derivative would miss every term through the gather. Differentiate once, or "
-            f"gather the parameters (funcshard.gather) and differentiate the unsharded function")
+        raise NotImplementedError(ctx.refusal)
 
 
 def _must_recompute(ctx, func, *args, **kwargs):
@@ -252,34 +234,31 @@ def _recompute_context():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_must_recompute)
 
 
-def _unflatten(b: _Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The bucket's parameters out of its all-gather output ``(world * n,)``, rank-major (padding dropped)."""
-    full = full.view(b.world, -1)
-    out, k = [], 0
-    for p in b.params:
-        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
-        k += p.numel
-        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
-    return tuple(out)
-
-
-def _gather_bucket(b: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
-        return _unflatten(b, _Gather.apply(b, *shards))
+        return unflatten(b, _Gather.apply(b, *shards))
     # (nothing to differentiate, e.g. a frozen group: the all-gather alone; dynamo mis-passes the arguments of a
     # setup_context-style Function none of whose inputs requires grad inside a checkpoint)
-    return _unflatten(b, _Gather.forward(b, *shards))
+    return unflatten(b, _Gather.forward(b, *shards))
 
 
-def gathered(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gathered(plan: Plan, state: Mapping[str, torch.Tensor], what: str = _WHAT) -> dict[str, torch.Tensor]:
     """The full parameters (every alias of a tied one), gathered with one traceable all-gather per group and compute
     dtype; differentiable: each trainable shard's gradient is the reduce-scatter of the full gradient, divided by
     the group's factor, in the shard's dtype. A group that reshards after forward is gathered inside a selective
     checkpoint whose every op (all-gather, copy-out) is ``MUST_RECOMPUTE``: the compiled backward gathers it again."""
     out: dict[str, torch.Tensor] = {}
+    composed = (not torch.compiler.is_compiling() and get_interpreter_stack()
+                and any(is_functorch_wrapped_tensor(t) for t in state.values()))
+    if composed:  # a torch.func transform of the state: the primitives' gather (every transform composes)
+        pg, rep = plan.shard_group()[0], plan.replicate_group()
+        for g in plan.groups:
+            check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
     for b in layout(plan).buckets:
         shards = [state[p.path] for p in b.params]
-        if b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
+        if composed:
+            params = gather_bucket(b, shards, pg, rep, what)
+        elif b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
             params = torch.utils.checkpoint.checkpoint(_gather_bucket, b, *shards, use_reentrant=False,
                                                        context_fn=_recompute_context)
         else:
@@ -297,23 +276,36 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
 
     Same values and gradients as :func:`funcshard.apply` (gradients reduce-scattered and divided by the plan's
     factor, in the reduce dtype, returned in the shards' dtype; for the shards being differentiated), under
-    ``funcshard.value_and_grad``, ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` (not compiled) or plain autograd;
-    same restrictions on ``state``. Any ``torch.func`` transform of the inputs alone (the shards captured) is the
-    unsharded module's. Refused, naming the transform stack (``NotImplementedError``): a transform of the state
-    other than one grad/vjp level (a jvp of the state, a vmap over stacked states, nested ones: ``vmap(grad(...))``,
-    ``grad(grad(...))``), a vjp function called under vmap (jacrev), and differentiating again a gradient taken
-    with ``create_graph=True`` (a double backward: raised when it reaches the shard gradients), at every world
-    size. Compiled, groups that reshard after forward are gathered again in backward; not
-    compiled, without apply's memory bound.
+    ``funcshard.value_and_grad``, plain autograd or ``torch.func``; same restrictions on ``state``.
+
+    Transforms compose (not compiled): under any ``torch.func`` transform of the state, and nestings of them
+    (``jvp`` of the state, ``vmap(grad(...))`` per-sample gradients as shards with a leading batch dim, ``vmap`` over
+    stacked states with one all-gather per group and compute dtype for all members, ``jvp(grad(...))``, ``jacrev``,
+    ``jacfwd``, ``hessian``), each bucket is gathered by the differentiable collectives
+    (``_primitives.gather_bucket``); a ``create_graph=True`` backward under plain autograd reduce-scatters with them
+    (differentiable again). Any transform of the inputs alone is the unsharded module's. The plan's divide factor
+    is applied at each gather's backward, which is the mean's gradient at one reverse level only: with a factor
+    other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
+    MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
+    (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
+    exact: gradients are sums over ranks). Not refused but first order: a compiled step (``torch.compile`` of a
+    function that nests transforms is not checked). Memory, not compiled: every group's unsharded parameters live
+    from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
+    transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
+    is the compiled path's only.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
-    if not torch.compiler.is_compiling():
-        _check_forward(state)
     if hooked := [g.name for g in plan.groups if g.comm is not None]:
         raise NotImplementedError(f"traced_apply: groups {hooked} have comm hooks (Group.comm), which the traced mode "
                                   f"does not run; use funcshard.apply, or a plan without them")
+    return run(plan, state, args, kwargs)
+
+
+def run(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict, what: str = _WHAT) -> Any:
+    """traced_apply's body, for a checked state (``funcshard.apply`` under nested transforms runs it too: ``what``
+    names the API the user called in refusals)."""
     lay = layout(plan)
     if lay.cast_inputs is not None:
         args, kwargs = cast_floating(lay.cast_inputs, (args, kwargs))
-    out = torch.func.functional_call(plan.module, gathered(plan, state), args, kwargs, tie_weights=False)
+    out = torch.func.functional_call(plan.module, gathered(plan, state, what), args, kwargs, tie_weights=False)
     return out if lay.output_dtype is None else cast_floating(lay.output_dtype, out)

@@ -586,7 +586,8 @@ def test_group_used_twice_and_inference_mode():
 
 
 def _transforms():
-    """First-order transforms work (and cut torch.func's gradient graph: less memory); nested ones refuse."""
+    """First-order transforms work (and cut torch.func's gradient graph: less memory); nested ones run the traced
+    path (or refuse)."""
     from memtrack import PeakBytes
 
     torch.manual_seed(0)
@@ -631,11 +632,11 @@ def test_first_order_transforms_and_nested_refusal():
     # torch.func.grad keeps the gradient graph (create_graph=True); apply cuts it at group boundaries, so its
     # peak stays near plain autograd's (torch.func alone on the unsharded model: about 2x)
     assert ratio < 1.25, ratio
-    assert re.search(r"funcshard\.apply runs under a single torch\.func .* called under grad inside grad", msgs[0])
-    assert re.search(r"funcshard\.apply .* called under grad inside vmap", msgs[1])
-    assert re.search(r"funcshard\.gather .* called under grad inside grad", msgs[2])
+    # nested: apply runs the traced path, which composes (values: tests/test_transforms.py), but refuses a second
+    # reverse level through the plan's divide factor; gather composes
+    assert re.search(r"funcshard\.apply under grad\(grad\(\.\.\.\)\) with a gradient divide factor of 2", msgs[0])
+    assert msgs[1] == msgs[2] == msgs[4] == "no error"
     assert re.search(r"the backward of funcshard\.apply ran under vmap .* batched cotangents .* not built yet", msgs[3])
-    assert re.search(r"the backward of funcshard\.gather ran under vmap", msgs[4])
 
 
 class _BlockWithEmpty(Block):
