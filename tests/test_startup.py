@@ -1,6 +1,6 @@
 """Start-up (issue 36): ``import funcshard`` imports the core planning needs, not torch._dynamo, torch's
-distributed checkpoint (DCP), triton or torch's flop counter; the public names imported on first read resolve to
-the objects of their modules. One fresh interpreter (benchmarks/STARTUP.md has the times)."""
+distributed checkpoint (DCP), torch.distributed.fsdp, triton or torch's flop counter; the public names imported on
+first read resolve to the objects of their modules. One fresh interpreter (benchmarks/STARTUP.md has the times)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-HEAVY = ["torch._dynamo", "torch.distributed.checkpoint", "torch.utils.flop_counter", "triton", "torch._inductor"]
+HEAVY = ["torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.flop_counter", "triton",
+         "torch._inductor"]
 
 CHILD = r"""
 import json, sys
@@ -33,7 +34,10 @@ import funcshard._apply, funcshard._shard, funcshard.fsdp
 from funcshard import checkpoint, value_and_grad
 out["same"] = [funcshard.apply is funcshard._apply.apply, funcshard.shard is funcshard._shard.shard,
                funcshard.fully_shard is funcshard.fsdp.fully_shard, checkpoint is sys.modules["funcshard.checkpoint"],
-               value_and_grad is funcshard.value_and_grad, "apply" in vars(funcshard)]
+               value_and_grad is funcshard.value_and_grad, "apply" in vars(funcshard),
+               funcshard.DataParallelMeshDims is (getattr(sys.modules["torch.distributed.fsdp"], "DataParallelMeshDims",
+                                                          None) or funcshard._mesh._DataParallelMeshDims),
+               funcshard.fsdp.DataParallelMeshDims is funcshard.DataParallelMeshDims]
 out["after"] = "torch._dynamo" in sys.modules
 print(json.dumps(out))
 """
@@ -51,5 +55,5 @@ def test_import_funcshard_leaves_out_dynamo_and_dcp():
     assert out["plan_ok"] == "Plan"
     assert out["dir"] == [], f"names of funcshard.__all__ missing from dir(funcshard): {out['dir']}"
     assert out["missing"] == "module 'funcshard' has no attribute 'no_such_name'"
-    assert out["same"] == [True] * 6, out["same"]
+    assert out["same"] == [True] * 8, out["same"]
     assert out["after"]  # the runtime's modules (torch.compiler.disable'd entry points) bring torch._dynamo
