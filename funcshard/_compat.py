@@ -18,7 +18,6 @@ import operator
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as _torch_pytree
-import torch.utils.flop_counter  # noqa: F401  (flop_registry below)
 from torch.distributed.tensor import DTensor
 
 SUPPORTED = "2.11 to 2.13"
@@ -146,8 +145,10 @@ reduce_scatter_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_s
 FakeTensorMode = require("torch._subclasses.fake_tensor.FakeTensorMode")  # tensors with shapes, devices, no data
 FakeTensor = require("torch._subclasses.fake_tensor.FakeTensor")  # (the class of its tensors)
 TorchDispatchMode = require("torch.utils._python_dispatch.TorchDispatchMode")  # sees every op below autograd
-# torch.utils.flop_counter's per-op FLOP formulas (FlopCounterMode's table; the module's __all__ has only the mode)
-flop_registry = require("torch.utils.flop_counter.flop_registry")
+# torch.utils.flop_counter's per-op FLOP formulas (FlopCounterMode's table; the module's __all__ has only the mode):
+# ``flop_registry``, looked up when first read (module ``__getattr__`` below): torch.utils.flop_counter imports triton
+# where it is installed, which ``import funcshard`` should not pay (issue 36); the cost model reads it.
+_LAZY = {"flop_registry": ("torch.utils.flop_counter", "torch.utils.flop_counter.flop_registry")}
 
 
 def op_is_mutable(func) -> bool:
@@ -190,6 +191,16 @@ def dcp_bytes_write_items(fqn: str, obj) -> list:
     from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio
 
     return [_create_write_item_for_bytesio(fqn, obj)]
+
+
+def __getattr__(name: str):
+    """The names of ``_LAZY``: their torch module imported on first read, then bound here like the others."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, path = _LAZY[name]
+    importlib.import_module(module)
+    value = globals()[name] = require(path)
+    return value
 
 
 __all__ = [

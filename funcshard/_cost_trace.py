@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from funcshard._compat import FakeTensorMode, TorchDispatchMode, flop_registry, op_is_mutable, param_slots, torch_tree_leaves
+from funcshard._compat import FakeTensorMode, TorchDispatchMode, op_is_mutable, param_slots, torch_tree_leaves
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating, compute_dtype
 from funcshard._spec import takes_grad
@@ -184,6 +184,8 @@ class _Live(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from funcshard._compat import flop_registry  # (torch's flop counter imports triton: not at import)
+
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         ins = [t for t in torch_tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -17,10 +17,10 @@ sub-mesh of a full SPMD mesh named by ``DataParallelMeshDims``.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from funcshard._compat import StridedShard, concatenate_meshes, root_mesh
@@ -214,11 +214,24 @@ class _DataParallelMeshDims:
             raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")
 
 
-# torch's own where it has one (2.12+: code written for FSDP2 passes it, and isinstance checks hold), else ours
-DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) or _DataParallelMeshDims
-"""Which axes of a full SPMD mesh are data parallel (``shard=``, ``replicate=``, by name): torch's own class where it
-has one (2.12+), on torch 2.11 funcshard's with the same fields. ``fully_shard(..., dp_mesh_dims=...)``,
-``funcshard.plan(..., dp_mesh_dims=...)``."""
+# torch's own where it has one (2.12+: code written for FSDP2 passes it, and isinstance checks hold), else ours. Looked
+# up when first read (module ``__getattr__`` below): torch.distributed.fsdp is not part of ``import funcshard`` (~0.1 s
+# and 80 modules, issue 36). (Under TYPE_CHECKING: what the documentation and type checkers read.)
+if TYPE_CHECKING:
+    DataParallelMeshDims = _DataParallelMeshDims
+    """Which axes of a full SPMD mesh are data parallel (``shard=``, ``replicate=``, by name): torch's own class where
+    it has one (2.12+), on torch 2.11 funcshard's with the same fields. ``fully_shard(..., dp_mesh_dims=...)``,
+    ``funcshard.plan(..., dp_mesh_dims=...)``."""
+
+
+def __getattr__(name: str):
+    """``DataParallelMeshDims``, bound here when first read (torch.distributed.fsdp imported then)."""
+    if name != "DataParallelMeshDims":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch.distributed.fsdp
+
+    value = globals()[name] = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) or _DataParallelMeshDims
+    return value
 
 
 def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int]]:
