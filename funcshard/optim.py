@@ -1254,17 +1254,25 @@ __all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners
 
 
 class OwnerComputeState(NamedTuple):
-    """State of :func:`owner_compute`: ``count`` = updates so far; ``owned``: path -> the whole-matrix state of each
-    matrix this rank owns (``init_state``'s), None without ``init_state``. Not sharded like the parameters: each
-    matrix's state lives on its owner only (``funcshard.checkpoint`` does not save it)."""
+    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only
+    (``funcshard.checkpoint`` does not save it).
+
+    Attributes:
+        count: updates so far.
+        owned: path -> the whole-matrix state of each matrix this rank owns (``init_state``'s), None without
+            ``init_state``.
+    """
 
     count: int
     owned: Any = None
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: ``inner_states``: label -> the state of that label's transformation (over
-    the parameters with that label)."""
+    """State of :func:`multi_transform`.
+
+    Attributes:
+        inner_states: label -> the state of that label's transformation (over the parameters with that label).
+    """
 
     inner_states: dict
 
@@ -1433,7 +1441,14 @@ def muon(
     Args:
         lr: learning rate (a float, or a schedule ``schedule(count)``).
         plan: the :class:`funcshard.Plan` whose shards the params are.
-        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+        weight_decay: decoupled decay: ``p *= 1 - lr * weight_decay`` (needs ``params`` in ``update``).
+        momentum: the momentum buffer's decay (``buf.lerp_(grad, 1 - momentum)``).
+        nesterov: Nesterov momentum (orthogonalize ``grad.lerp(buf, momentum)`` rather than ``buf``).
+        ns_coefficients: Newton-Schulz's ``(a, b, c)``.
+        eps: the floor of the norm the update is divided by before Newton-Schulz.
+        ns_steps: Newton-Schulz iterations (``0 <= ns_steps < 100``).
+        adjust_lr_fn: the learning rate's scaling by the matrix's global shape ``(rows, cols)``: None or
+            ``"original"``: ``sqrt(max(1, rows / cols))``; ``"match_rms_adamw"``: ``0.2 * sqrt(max(rows, cols))``.
 
     Returns:
         A :class:`TorchOptimizer` with ``owners(params) -> Owners``.
