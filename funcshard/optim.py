@@ -1284,7 +1284,7 @@ for _cls in (OwnerComputeState, MultiTransformState):
 
 class _Owning:
     """A plan's owners and exchanges for the sets of parameters a whole-matrix transformation is given (computed
-    once per set of paths: every rank the same table, from the plan's specs in the params' order)."""
+    once per set of paths: every rank the same table, from the plan's specs in the plan's order)."""
 
     def __init__(self, plan: Any, where: str, cost: Callable[[tuple[int, ...]], int], matrices: bool):
         if not (hasattr(plan, "specs") and hasattr(plan, "shard_group")):
@@ -1292,6 +1292,7 @@ class _Owning:
                             f"{type(plan).__name__}")
         self.plan, self.where, self.cost, self.matrices = plan, where, cost, matrices
         self._cache: dict[tuple[str, ...], tuple[Owners, Exchange]] = {}
+        self._pos = {k: i for i, k in enumerate(plan.specs)}
 
     def check(self, tree: Any, what: str) -> dict:
         if not isinstance(tree, dict):
@@ -1322,7 +1323,10 @@ class _Owning:
         return tree
 
     def get(self, keys: Sequence[str]) -> tuple[Owners, Exchange]:
-        keys = tuple(keys)
+        """The owners and exchange of ``keys``, taken in the plan's order (the same on every rank), not the order a
+        rank's dicts come in: equal-cost matrices get their owners by position, and every rank must agree."""
+        pos = self._pos
+        keys = tuple(sorted(keys, key=pos.__getitem__))
         hit = self._cache.get(keys)
         if hit is None:
             plan = self.plan
