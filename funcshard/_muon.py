@@ -147,7 +147,15 @@ class Muon(torch.optim.Optimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim`` (named parameters put their names in errors and
             in the owner table).
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+        lr: the learning rate (a float, or a one-element Tensor).
+        weight_decay: decoupled decay: ``p *= 1 - lr * weight_decay`` before the update.
+        momentum: the momentum buffer's decay (``buf.lerp_(grad, 1 - momentum)``).
+        nesterov: Nesterov momentum (orthogonalize ``grad.lerp(buf, momentum)`` rather than ``buf``).
+        ns_coefficients: Newton-Schulz's ``(a, b, c)``.
+        eps: the floor of the norm the update is divided by before Newton-Schulz.
+        ns_steps: Newton-Schulz iterations (``0 <= ns_steps < 100``).
+        adjust_lr_fn: the learning rate's scaling by the matrix's global shape ``(rows, cols)``: None or
+            ``"original"``: ``sqrt(max(1, rows / cols))``; ``"match_rms_adamw"``: ``0.2 * sqrt(max(rows, cols))``.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -165,7 +173,12 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, the group's parameters checked (2-D, sharded on one mesh axis
-        at most) and given owners; nothing is added when a check fails."""
+        at most) and given owners; nothing is added when a check fails.
+
+        Args:
+            param_group: a dict with ``params`` (and optionally ``param_names``, and hyperparameters that override
+                the defaults), as for ``torch.optim``.
+        """
         super().add_param_group(param_group)
         gi, group = len(self.param_groups) - 1, self.param_groups[-1]
         try:
@@ -241,7 +254,15 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (``torch.optim.Muon.step``); the all-to-alls to the owners and back run inside."""
+        """One optimizer step (``torch.optim.Muon.step``); the all-to-alls to the owners and back run inside.
+
+        Args:
+            closure: None, or a callable that recomputes the loss (run with gradients enabled); its result is
+                returned.
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

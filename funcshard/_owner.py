@@ -38,7 +38,14 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Owned:
-    """One matrix's owner: its path, global shape, owner rank (on the shard axis) and cost (FLOPs)."""
+    """One matrix's owner: an entry of :class:`Owners`.
+
+    Attributes:
+        path: the parameter's path.
+        shape: its global shape.
+        owner: the rank (on the shard axis) that computes its whole-matrix update.
+        flops: its cost, the number the assignment balanced (Newton-Schulz FLOPs for Muon).
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -64,11 +71,19 @@ class Owners:
         return {e.path: e for e in self.entries}
 
     def owner(self, path: str) -> int:
-        """The rank that owns ``path``."""
+        """The rank that owns ``path``.
+
+        Args:
+            path: a parameter's path (one of the entries'; another raises ``KeyError``).
+        """
         return self._by_path[path].owner
 
     def owned_by(self, rank: int) -> tuple[str, ...]:
-        """The paths ``rank`` owns, in the entries' order."""
+        """The paths ``rank`` owns, in the entries' order.
+
+        Args:
+            rank: a rank on the shard axis (``0 <= rank < world``).
+        """
         return tuple(e.path for e in self.entries if e.owner == rank)
 
     def loads(self) -> list[int]:

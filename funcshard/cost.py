@@ -245,6 +245,10 @@ class Cost:
             then ``optim.offload``'s state of each group, in and out, when the optimizer is one). Counted in
             bytes only: the time estimate and the memory categories do not model them (an offloaded group's
             shards and ``optim.offload``'s state count as device memory).
+        owners: one :class:`OwnerCost` per whole-matrix transformation of the optimizer (``optim.muon``,
+            ``optim.owner_compute``, each labelled one of an ``optim.multi_transform``): its all-to-all bytes, the
+            owners' extra memory and FLOPs (:func:`owner_costs`); empty without an optimizer or with none of these.
+            Not in ``peak_bytes`` or ``step_s``: printed after them.
     """
 
     plan: Plan = dataclasses.field(repr=False)
@@ -722,9 +726,11 @@ class OwnerCost:
     Attributes:
         label: the transformation's label in a ``multi_transform`` ("" alone).
         owners: the owner table (``optim.Owners``: printable).
-        to_owners_sent / to_owners_received: bytes each rank sends / receives in the all-to-all to the owners (its
-            pieces of the matrices others own / the others' pieces of its own; padding does not travel).
-        back_sent / back_received: the same for the all-to-all back (the owners' results).
+        to_owners_sent: bytes each rank sends in the all-to-all to the owners (its pieces of the matrices other
+            ranks own; padding does not travel, nor a rank's piece of its own matrix).
+        to_owners_received: bytes each rank receives in it (the other ranks' pieces of the matrices it owns).
+        back_sent: bytes each rank sends in the all-to-all back (the other ranks' pieces of its results).
+        back_received: bytes each rank receives in it (its pieces of the results of the matrices others own).
         extra_bytes: each rank's memory beyond the sharded state while it updates, as the pipelined exchange holds
             it (``Exchange.map``: rounds of one matrix per owner): the result shards (and for Muon the bfloat16 copies
             of the update shards it sends), plus at the worst round its
@@ -773,8 +779,18 @@ def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
     """The owner exchange and compute of ``optimizer`` per step on ``plan``: one :class:`OwnerCost` per
     whole-matrix transformation (``optim.muon`` / ``optim.owner_compute``, or those inside an
     ``optim.multi_transform``; none for other optimizers, or a ``chain`` around one: pass the transformation
-    itself). ``keys``: the parameters given to it (default: the plan's trained floating-point ones).
-    :func:`estimate` includes these (``Cost.owners``)."""
+    itself). :func:`estimate` includes these (``Cost.owners``).
+
+    Args:
+        plan: the :class:`funcshard.Plan` the optimizer was built for (its specs give the pieces' sizes).
+        optimizer: the transformation (``optim.muon``, ``optim.owner_compute`` or an ``optim.multi_transform``);
+            any other gives ``()``.
+        hardware: figures for ``exchange_s`` and ``compute_s`` (None: those stay None).
+        keys: the parameters given to ``optimizer`` (default: the plan's trained floating-point ones).
+
+    Returns:
+        One :class:`OwnerCost` per whole-matrix transformation that owns at least one matrix.
+    """
     if getattr(optimizer, "owners", None) is None:
         return ()
     keys = list(_shard_shapes(plan)) if keys is None else list(keys)

@@ -1261,17 +1261,25 @@ __all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners
 
 
 class OwnerComputeState(NamedTuple):
-    """State of :func:`owner_compute`: ``count`` = updates so far; ``owned``: path -> the whole-matrix state of each
-    matrix this rank owns (``init_state``'s), None without ``init_state``. Not sharded like the parameters: each
-    matrix's state lives on its owner only (``funcshard.checkpoint`` does not save it)."""
+    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only
+    (``funcshard.checkpoint`` does not save it).
+
+    Attributes:
+        count: updates so far.
+        owned: path -> the whole-matrix state of each matrix this rank owns (``init_state``'s), None without
+            ``init_state``.
+    """
 
     count: int
     owned: Any = None
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: ``inner_states``: label -> the state of that label's transformation (over
-    the parameters with that label)."""
+    """State of :func:`multi_transform`.
+
+    Attributes:
+        inner_states: label -> the state of that label's transformation (over the parameters with that label).
+    """
 
     inner_states: dict
 
@@ -1283,7 +1291,7 @@ for _cls in (OwnerComputeState, MultiTransformState):
 
 class _Owning:
     """A plan's owners and exchanges for the sets of parameters a whole-matrix transformation is given (computed
-    once per set of paths: every rank the same table, from the plan's specs in the params' order)."""
+    once per set of paths: every rank the same table, from the plan's specs in the plan's order)."""
 
     def __init__(self, plan: Any, where: str, cost: Callable[[tuple[int, ...]], int], matrices: bool):
         if not (hasattr(plan, "specs") and hasattr(plan, "shard_group")):
@@ -1291,6 +1299,7 @@ class _Owning:
                             f"{type(plan).__name__}")
         self.plan, self.where, self.cost, self.matrices = plan, where, cost, matrices
         self._cache: dict[tuple[str, ...], tuple[Owners, Exchange]] = {}
+        self._pos = {k: i for i, k in enumerate(plan.specs)}
 
     def check(self, tree: Any, what: str) -> dict:
         if not isinstance(tree, dict):
@@ -1321,7 +1330,10 @@ class _Owning:
         return tree
 
     def get(self, keys: Sequence[str]) -> tuple[Owners, Exchange]:
-        keys = tuple(keys)
+        """The owners and exchange of ``keys``, taken in the plan's order (the same on every rank), not the order a
+        rank's dicts come in: equal-cost matrices get their owners by position, and every rank must agree."""
+        pos = self._pos
+        keys = tuple(sorted(keys, key=pos.__getitem__))
         hit = self._cache.get(keys)
         if hit is None:
             plan = self.plan
@@ -1440,7 +1452,14 @@ def muon(
     Args:
         lr: learning rate (a float, or a schedule ``schedule(count)``).
         plan: the :class:`funcshard.Plan` whose shards the params are.
-        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+        weight_decay: decoupled decay: ``p *= 1 - lr * weight_decay`` (needs ``params`` in ``update``).
+        momentum: the momentum buffer's decay (``buf.lerp_(grad, 1 - momentum)``).
+        nesterov: Nesterov momentum (orthogonalize ``grad.lerp(buf, momentum)`` rather than ``buf``).
+        ns_coefficients: Newton-Schulz's ``(a, b, c)``.
+        eps: the floor of the norm the update is divided by before Newton-Schulz.
+        ns_steps: Newton-Schulz iterations (``0 <= ns_steps < 100``).
+        adjust_lr_fn: the learning rate's scaling by the matrix's global shape ``(rows, cols)``: None or
+            ``"original"``: ``sqrt(max(1, rows / cols))``; ``"match_rms_adamw"``: ``0.2 * sqrt(max(rows, cols))``.
 
     Returns:
         A :class:`TorchOptimizer` with ``owners(params) -> Owners``.
