@@ -9,7 +9,6 @@ where autograd only ever sees wrapped views of them.
 from funcshard._runtime.buffers import Status
 from funcshard._runtime.group import GroupRun
 from funcshard._runtime.step import Step
-from funcshard._runtime.strategies import _WARNED_FIRST_ORDER  # noqa: F401 (tests reset it)
 
 _Status = Status  # (the name tests and tools have used)
 

@@ -33,6 +33,7 @@ from funcshard._primitives import check_backward_transforms, check_batched_grads
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
+    get_interpreter_stack,
     function_base_apply,
     top_saved_tensors_default_hooks,
     unwrap_if_dead,
@@ -159,12 +160,13 @@ class _GroupGather(torch.autograd.Function):
         step = ctx.step
         grads = step.nodes.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
-        if torch.is_grad_enabled():  # a backward with create_graph=True
-            _warn_first_order()
+        dep = _second_order_dep(grads)
         if ctx.token:
+            if dep is not None:
+                step.relay.dep = dep  # (the shards' relay returns their gradients: refused if differentiated again)
             step.runs[ctx.name].reduce_later(grads, step.relay)
             return (None, None, step.relay.token_zero, *[None] * len(grads))
-        return (None, None, None, *step.runs[ctx.name].post_backward(grads))
+        return (None, None, None, *first_order(dep, step.runs[ctx.name].post_backward(grads)))
 
     @staticmethod
     def jvp(ctx, _step, _name, _token, *tangents):
@@ -209,7 +211,9 @@ class _Relay(torch.autograd.Function):
     @staticmethod
     @runtime_boundary
     def backward(ctx, _token_grad):
-        return (None, None, None, *ctx.step.relay.grads(ctx.name, ctx.index))
+        relay = ctx.step.relay
+        return (None, None, None, *first_order(relay.dep if torch.is_grad_enabled() else None,
+                                               relay.grads(ctx.name, ctx.index)))
 
 
 class Relay(Part):
@@ -221,6 +225,7 @@ class Relay(Part):
         self.tokens: dict[str, torch.Tensor] = {}  # group -> its relay's token, held only while forward runs
         self.token_zero: torch.Tensor | None = None  # each group's gradient for its token
         self.shards: dict[str, tuple[int, list]] = {}  # group -> (graph task, reduce-scattered shards)
+        self.dep: torch.Tensor | None = None  # a create_graph=True backward's cotangent (``first_order``)
         self._names = tuple(step.groups)  # the plan's order
         self._position = {n: i for i, n in enumerate(self._names)}
 
@@ -477,7 +482,7 @@ class _StepGather(torch.autograd.Function):
     @staticmethod
     @runtime_boundary
     def backward(ctx, *grads):
-        return (None, *ctx.step.fused.shard_grads())
+        return (None, *first_order(_second_order_dep(grads), ctx.step.fused.shard_grads()))
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -534,20 +539,45 @@ def _saving_views():
         cm.__exit__(None, None, None)
 
 
-_WARNED_FIRST_ORDER = [False]
+_SECOND_ORDER = (
+    "funcshard.apply: a gradient taken with create_graph=True was differentiated again (grad of a gradient, MAML, a "
+    "Hessian-vector product): apply's runtime reduce-scatters the gradient outside autograd, so the terms through the "
+    "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
+    "returned. For second order run the same loss with funcshard.traced_apply or funcshard.gather + "
+    "torch.func.functional_call (their collectives are differentiable at any order; plan with grad_divide_factor=1.0 "
+    "at W > 1), or under torch.func.grad(grad(...)), where apply runs the traced path itself")
 
 
-def _warn_first_order() -> None:
-    """Once per process: the gather's backward (a reduce-scatter) is not itself differentiable."""
-    import warnings
+def _second_order_dep(cotangents) -> torch.Tensor | None:
+    """In a plain-autograd backward with create_graph=True, an incoming cotangent that carries a graph (else None).
+    (torch.func.grad differentiates with create_graph=True too; what it returns leaves the transform unwrapped, and
+    a nested transform runs the traced path, not this runtime.)"""
+    if not torch.is_grad_enabled() or get_interpreter_stack():
+        return None
+    return next((g for g in cotangents if g is not None and g.requires_grad), None)
 
-    if _WARNED_FIRST_ORDER[0]:
-        return
-    _WARNED_FIRST_ORDER[0] = True
-    warnings.warn(
-        "funcshard.apply: a backward with create_graph=True reached the sharded gather; the shard gradients it "
-        "returns carry no graph, so differentiating them again (second-order terms through the parameters, e.g. "
-        "MAML, Hessian-vector products) misses what flows through the gather. First-order uses of the result are "
-        "right; for second order, gather the parameters (funcshard.gather) and differentiate the unsharded model",
-        stacklevel=2,
-    )
+
+class _FirstOrder(torch.autograd.Function):
+    """Shard gradients of a create_graph=True backward: their values, and a backward that raises ``_SECOND_ORDER``.
+    They depend on the incoming cotangent only so that they are differentiated exactly when a second-order term
+    could flow through them."""
+
+    @staticmethod
+    def forward(ctx, dep, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(_SECOND_ORDER)
+
+
+def first_order(dep: torch.Tensor | None, grads):
+    """The runtime's shard gradients as returned to autograd: as they are, or (``dep``: a create_graph=True backward)
+    wrapped so that differentiating them again raises instead of missing the terms through the gather."""
+    grads = list(grads)
+    if dep is None:
+        return grads
+    at = [i for i, g in enumerate(grads) if g is not None]
+    for i, g in zip(at, _FirstOrder.apply(dep, *(grads[i] for i in at)) if at else ()):
+        grads[i] = g
+    return grads
