@@ -50,7 +50,10 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``).
     """
-    if _nested(plan):  # (a transform stack apply's runtime does not take: the traced path, which composes)
+    # (a transform stack apply's runtime does not take: the traced path, which composes. Not asked while dynamo
+    # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
+    # reaches the runtime's boundary eagerly, where this is asked)
+    if not torch.compiler.is_compiling() and _nested(plan):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
