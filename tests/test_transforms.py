@@ -166,8 +166,6 @@ def _model():
 
 
 def _plans(m, mesh):
-    import funcshard
-
     return {"root": {}, "per_block": {"groups": (torch.nn.Linear,)}}
 
 
@@ -294,7 +292,8 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     W = dist.get_world_size()  # HSDP: every rank a replica (shards of one rank: the replica sum alone)
-    mesh = init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (W,))
+    mesh = (init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (W,)))
     res = {}
     m = _model()
     for pname, kw in _plans(m, mesh).items():
@@ -310,8 +309,8 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False):
                 except Exception as e:  # (every exception: the test reads which one, and its text)
                     res[key] = f"{type(e).__name__}: {e}"
                     continue
-                res[key] = (len(a) == len(b) > 0 and all(p.shape == q.shape and torch.allclose(p, q, rtol=1e-6, atol=1e-6)
-                                                         for p, q in zip(a, b))) or [
+                close = all(p.shape == q.shape and torch.allclose(p, q, rtol=1e-6, atol=1e-6) for p, q in zip(a, b))
+                res[key] = (len(a) == len(b) > 0 and close) or [
                     (tuple(p.shape), tuple(q.shape), float((p - q).abs().max()) if p.shape == q.shape else None)
                     for p, q in zip(a, b)]
     return res
@@ -336,11 +335,11 @@ def _check_table(res, world, hsdp=False):
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_table(world):
     """The issue's table on gather + functional_call, traced_apply and apply (the plan's divide factor, and
-    grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only; W=2: also HSDP): jvp w.r.t. the state and the
-    inputs, vmap(grad) per-sample gradients (shards with a leading batch dim), grad of a gradient norm (torch.func and
-    autograd create_graph), MAML (both), jvp(grad) HVP, vmap over stacked states (values and gradients), jacrev; fp32
-    against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels through a
-    divided gather (W > 1), jacrev of apply."""
+    grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only; W=2: also HSDP): jvp w.r.t. the
+    state and the inputs, vmap(grad) per-sample gradients (shards with a leading batch dim), grad of a gradient norm
+    (torch.func and autograd create_graph), MAML (both), jvp(grad) HVP, vmap over stacked states (values and
+    gradients), jacrev; fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two
+    reverse levels through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
     for res in run_ranks(world, _table, plans):
         assert len(res) == len(plans) * (5 * 12 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
