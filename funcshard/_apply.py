@@ -44,9 +44,9 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     and gives the plan's numbers (same gathers, divide factor, dtypes); its parameters stay gathered for the nested
     transform's life (no reshard after forward, no prefetch schedule), and what it refuses it refuses naming the
     transform stack. Plans the traced mode does not run (layout="flat", comm hooks, a non-root group's own casts;
-    and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of apply called under vmap (``jacrev`` of apply) is refused;
-    ``torch.autograd.grad(create_graph=True)`` through apply gives first-order gradients (a warning says so):
-    differentiate twice with ``traced_apply`` or ``gather``.
+    and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of
+    apply called under vmap (``jacrev`` of apply) is refused; ``torch.autograd.grad(create_graph=True)`` through
+    apply gives first-order gradients (a warning says so): differentiate twice with ``traced_apply`` or ``gather``.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So

@@ -84,7 +84,8 @@ def check_reverse_levels(what: str, factor: float, replicated: bool = False) -> 
     levels when ``factor != 1`` or ``replicated``."""
     stack = get_interpreter_stack()
     if (factor != 1.0 or replicated) and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
-        why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
+        why = (f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0
+               else f"over HSDP: {_REPLICATED}")
         raise NotImplementedError(f"{what} under {transform_stack(stack)} {why}")
 
 
@@ -258,46 +259,23 @@ class _AllReduce(torch.autograd.Function):
         return _AllReduce.apply(x, group), in_dims[0]
 
 
-class _ReplicaSum(torch.autograd.Function):
-    """The identity on a tensor every rank of ``group`` holds the same (a replicated parameter); backward: the sum
-    of the ranks' cotangents (``all_reduce``, differentiable again); jvp: the tangent."""
+class _CotangentMap(torch.autograd.Function):
+    """The identity whose backward applies ``fn`` (a linear map made of differentiable ops: any order) to the
+    cotangent; jvp: the tangent."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, group):
+    def forward(x, fn):
         return x.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
+        ctx.fn = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
-        return _AllReduce.apply(g, ctx.group), None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return t.clone()
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """The identity whose backward divides the cotangent by ``factor`` (a data-parallel mean's divide, at any order:
-    the backward is a plain division); jvp: the tangent."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, factor):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.factor = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        return g / ctx.factor, None
+        return ctx.fn(g), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -306,12 +284,12 @@ class _ScaleGrad(torch.autograd.Function):
 
 def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
-    return _ReplicaSum.apply(x, group)
+    return _CotangentMap.apply(x, lambda g: _AllReduce.apply(g, group))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x``, whose gradient is divided by ``factor`` (at every order)."""
-    return x if factor == 1.0 else _ScaleGrad.apply(x, factor)
+    return x if factor == 1.0 else _CotangentMap.apply(x, lambda g: g / factor)
 
 
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:

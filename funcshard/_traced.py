@@ -212,9 +212,9 @@ def _check_backward(grad: torch.Tensor) -> None:
 
 class _Divided(torch.autograd.Function):
     """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor or sums over
-    replicas: their values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming gradient only to be
-    differentiated exactly when it could be (an incoming gradient that does not require grad depends on no
-    parameter)."""
+    replicas: their values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming
+    gradient only to be differentiated exactly when it could be (an incoming gradient that does not require grad
+    depends on no parameter)."""
 
     @staticmethod
     def forward(ctx, refusal, dep, *pieces):
