@@ -46,7 +46,8 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     transform stack. Plans the traced mode does not run (layout="flat", comm hooks, a non-root group's own casts;
     and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of
     apply called under vmap (``jacrev`` of apply) is refused; ``torch.autograd.grad(create_graph=True)`` through
-    apply gives first-order gradients (a warning says so): differentiate twice with ``traced_apply`` or ``gather``.
+    apply gives the right first-order gradients, and differentiating them again raises ``NotImplementedError``:
+    differentiate twice with ``traced_apply`` or ``gather``.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So

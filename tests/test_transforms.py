@@ -200,6 +200,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
+    if path in ("apply", "apply_sum") and row in APPLY_CREATE_GRAPH:  # (the runtime's first-order backward)
+        return _APPLY_SECOND
     if hsdp and path != "gather" and row in SECOND_REVERSE:
         return (_DIVIDED if path in ("traced", "apply") else _REPLICAS).format(
             f"funcshard\\.{'apply' if path.startswith('apply') else 'traced_apply'}", world)
@@ -316,7 +318,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False):
     return res
 
 
-APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: see test_apply_create_graph_is_first_order
+APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
 def _check_table(res, world, hsdp=False):
@@ -353,19 +355,17 @@ def _apply_create_graph():
     return {k: v for k, v in _table(("root",), APPLY_CREATE_GRAPH).items() if k.startswith("apply")}
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, Exception),
-                   reason="apply's runtime (funcshard/_runtime, not this change) warns and returns first-order "
-                          "gradients under create_graph=True: a double backward misses the terms through the gather")
-def test_apply_create_graph_is_first_order():
-    """The row that is neither right nor refused: ``torch.autograd.grad(create_graph=True)`` through apply, then
-    differentiated again (MAML: the second-order term is missing; measured 2e-2 off at W=2). Kept as a strict xfail
-    so that the runtime's fix (right, or raising) shows here."""
-    import warnings
+_APPLY_SECOND = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again .* "
+                 r"funcshard\.traced_apply or funcshard\.gather")
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for res in run_ranks(2, _apply_create_graph):
-            _check_table(res, 2)
+
+def test_apply_create_graph_is_refused_at_second_order():
+    """``torch.autograd.grad(create_graph=True)`` through apply's runtime, then differentiated again (grad of a
+    gradient norm, MAML): refused naming the traced path (before: a warning and the second-order term missing,
+    measured 2e-2 off at W=2)."""
+    for res in run_ranks(2, _apply_create_graph):
+        assert len(res) == 2 * len(APPLY_CREATE_GRAPH), sorted(res)
+        _check_table(res, 2)
 
 
 def _counted(fn):
