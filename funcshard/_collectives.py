@@ -65,7 +65,12 @@ class CollectiveError(RuntimeError):
     """A collective of a step failed (a peer died) or timed out (``CollectiveTimeout``), or the ranks were found to
     disagree (``DivergenceError``): a runtime failure, not bad input (a ``RuntimeError``, never a ``ShardingError``).
     The message names the collective, the group, the phase of the step and the fix; after one, the process group is
-    broken: ``funcshard`` refuses further collectives on it."""
+    broken: ``funcshard`` refuses further collectives on it.
+
+    Args:
+        message: what failed, where, and what to do.
+        repeat: raised again for a process group an earlier failure broke (cleanup code may ignore such repeats).
+    """
 
     def __init__(self, message: str, *, repeat: bool = False):
         super().__init__(message)
@@ -74,12 +79,22 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within the plan's ``timeout`` (a rank died, stalled, or ran another
-    collective: a forward that skipped a group, another number of microbatches)."""
+    collective: a forward that skipped a group, another number of microbatches).
+
+    Args:
+        message: the collective, group, phase and bound that ran out, and what to do.
+        repeat: as :class:`CollectiveError`'s.
+    """
 
 
 class DivergenceError(CollectiveError):
     """The ranks disagree on what the step does (which parameters take gradients; in check mode, the sequence of
-    collectives): found before the mismatched collective runs, raised on every rank."""
+    collectives): found before the mismatched collective runs, raised on every rank.
+
+    Args:
+        message: what differs, each rank's value, and what to do.
+        repeat: as :class:`CollectiveError`'s.
+    """
 
 
 DEFAULT_TIMEOUT = 300.0  # s: torchtitan's bound for the first steps (compilation, warm-up), 1/6 of gloo's 30 min

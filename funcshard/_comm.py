@@ -71,6 +71,11 @@ class CommHook:
         return "CommHook(" + ", ".join(parts) + ")"
 
     def fn(self, kind: str):
+        """The hook for one kind of collective, or None where it runs plain.
+
+        Args:
+            kind: ``"all_gather"`` or ``"reduce_scatter"``.
+        """
         return self.all_gather if kind == ALL_GATHER else self.reduce_scatter if kind == REDUCE_SCATTER else None
 
 
@@ -188,7 +193,14 @@ def int8_all_gather(block: int = 256) -> CommHook:
     """A quantized all-gather (ZeRO++'s qwZ): each rank's bucket goes over the wire as int8 with one fp32 scale per
     ``block`` elements (absmax / 127), one collective of bytes, and is dequantized on arrival (this rank's own
     elements too, so every rank computes with the same parameters). Lossy: the forward and backward see the
-    dequantized parameters; gradients and the optimizer keep full precision. Floating buckets only (others: plain)."""
+    dequantized parameters; gradients and the optimizer keep full precision. Floating buckets only (others: plain).
+
+    Args:
+        block: elements per fp32 scale (an int >= 1; smaller: more precise, more bytes).
+
+    Returns:
+        A :class:`CommHook` replacing the all-gather (give it to a group's ``comm``).
+    """
     if not isinstance(block, int) or block < 1:
         raise ShardingError(f"int8_all_gather: block={block!r} must be an int >= 1 (elements per fp32 scale)")
 

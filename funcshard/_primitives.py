@@ -303,17 +303,43 @@ def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
 
     Like the three public collectives (and their backward), it waits at most ``FUNCSHARD_TIMEOUT`` seconds (else 300)
     on gloo, then raises ``CollectiveTimeout`` naming it, and the group is refused afterwards (a rank that never
-    joins: dead, or running something else); on NCCL the bound is NCCL's own watchdog."""
+    joins: dead, or running something else); on NCCL the bound is NCCL's own watchdog.
+
+    Args:
+        x: this rank's piece (at least 1-D); every rank's has the same shape.
+        group: a ProcessGroup, a DeviceMesh (its shard axis) or None (the default group).
+
+    Returns:
+        Every rank's ``x`` concatenated along dim 0 (``world * x.shape[0]`` rows), in rank order.
+    """
     return _AllGather.apply(x, _group_of(group))
 
 
 def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``x`` over ranks and give each rank its dim-0 slice. Backward: all-gather."""
+    """Sum ``x`` over ranks and give each rank its dim-0 slice. Backward: all-gather. A complete ``torch.func``
+    primitive with :func:`all_gather`'s rules and bound.
+
+    Args:
+        x: this rank's full-size input; dim 0 divisible by the group's size.
+        group: a ProcessGroup, a DeviceMesh (its shard axis) or None (the default group).
+
+    Returns:
+        This rank's ``x.shape[0] // world`` rows of the sum over ranks (a sum: nothing is averaged).
+    """
     return _ReduceScatter.apply(x, _group_of(group))
 
 
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``x`` over ranks. Backward: all-reduce (sum) of the cotangent."""
+    """Sum ``x`` over ranks. Backward: all-reduce (sum) of the cotangent. A complete ``torch.func`` primitive with
+    :func:`all_gather`'s rules and bound.
+
+    Args:
+        x: this rank's tensor; every rank's has the same shape.
+        group: a ProcessGroup, a DeviceMesh (its shard axis) or None (the default group).
+
+    Returns:
+        The sum of every rank's ``x`` (a new tensor; ``x`` is not modified).
+    """
     return _AllReduce.apply(x, _group_of(group))
 
 

@@ -293,6 +293,12 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
     transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
     is the compiled path's only.
+
+    Args:
+        plan: from :func:`funcshard.plan` (no comm hooks; see the refusals above).
+        state: this rank's shards, keyed like ``plan.specs``.
+        *args: the module's positional inputs (this rank's batch).
+        **kwargs: the module's keyword inputs.
     """
     check_state(plan, state)  # (under torch.compile: traced once, the guards keep the shapes it saw)
     if hooked := [g.name for g in plan.groups if g.comm is not None]:
