@@ -1579,7 +1579,11 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
                 if plan is not None and k not in plan.specs:
                     raise ShardingError(f"{where}: {what} key {k!r} is not a parameter of the plan")
                 lab = labels(k, plan.specs[k] if plan is not None else tree[k])
-            if lab not in transforms:
+            try:
+                known = lab in transforms
+            except TypeError:  # (an unhashable label: a list, a dict)
+                known = False
+            if not known:
                 raise ValueError(f"{where}: parameter {k!r} is labelled {lab!r}, which names no transformation; the "
                                  f"labels are {list(transforms)}. Fix: return one of them for it")
             out[k] = lab

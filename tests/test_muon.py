@@ -640,3 +640,10 @@ def _module_rank_order_parity():
 def test_module_muon_owners_do_not_depend_on_a_ranks_parameter_order():
     # was: owners by each rank's parameter order: 2e-2 off torch after 2 steps, silently
     assert all(run_ranks(2, _module_rank_order_parity))
+
+
+def test_multi_transform_unhashable_label_is_named():
+    # was: a bare TypeError "unhashable type: 'list'" from the dict lookup, naming neither parameter nor labels
+    tx = optim.multi_transform({"a": optim.sgd(0.1)}, lambda path, x: ["a"])
+    with pytest.raises(ValueError, match=r"parameter 'w' is labelled \['a'\], which names no transformation"):
+        tx.init({"w": torch.zeros(2)})
