@@ -793,7 +793,13 @@ def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
     if getattr(optimizer, "owners", None) is None:
         return ()
     keys = list(_shard_shapes(plan)) if keys is None else list(keys)
-    tables = optimizer.owners(keys)
+    bad = [k for k in keys if k not in plan.specs]
+    if bad:
+        raise ShardingError(f"cost.owner_costs: keys {bad[:8]} are not parameters of the plan (its parameters: "
+                            f"{list(plan.specs)[:8]}...)")
+    # (as init sees them: this rank's shards, here on the meta device; a multi_transform's callable labels read them)
+    tables = optimizer.owners({k: torch.empty(plan.specs[k].local_shape, dtype=plan.specs[k].dtype, device="meta")
+                               for k in keys})
     inner = getattr(optimizer, "transforms", None)
     if inner is not None:
         todo = [(label, t, getattr(inner[label], "wire_dtype", None)) for label, t in tables.items()]

@@ -1634,7 +1634,13 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {k: outs[labs[k]][k] for k in updates}, MultiTransformState(new)
 
     def owners(params):
-        labs = label_of({k: None for k in params} if not isinstance(params, dict) else params, "params")
+        if not isinstance(params, dict):
+            if callable(labels) and plan is None:
+                raise TypeError(f"{where}: owners() of a list of paths needs plan= (the callable labels are given "
+                                f"each parameter's spec, or without a plan its tensor): pass the params dict "
+                                f"(tx.owners(state)), or give multi_transform plan=")
+            params = {k: None for k in params}
+        labs = label_of(params, "params")
         return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
                 if hasattr(t, "owners")}
 

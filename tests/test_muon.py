@@ -647,3 +647,19 @@ def test_multi_transform_unhashable_label_is_named():
     tx = optim.multi_transform({"a": optim.sgd(0.1)}, lambda path, x: ["a"])
     with pytest.raises(ValueError, match=r"parameter 'w' is labelled \['a'\], which names no transformation"):
         tx.init({"w": torch.zeros(2)})
+
+
+def test_owner_costs_of_multi_transform_without_plan(fake_mesh2):
+    # was: owner_costs asked the labels about each path with None for its tensor: AttributeError from the user's
+    # callable (or, from one that tolerates None, a wrong table); now they see what init sees: the local shards' shapes
+    from funcshard import cost
+
+    plan = funcshard.plan(_Mixed(), fake_mesh2)
+    tx = optim.multi_transform({"muon": optim.muon(0.02, plan=plan), "adamw": optim.adamw(1e-2)},
+                               lambda path, x: "muon" if x.ndim == 2 else "adamw")
+    (oc,) = cost.owner_costs(plan, tx)
+    assert {e.path for e in oc.owners.entries} == {"inp.weight", "a.weight", "b.weight", "out.weight"}
+    with pytest.raises(TypeError, match=r"owners\(\) of a list of paths needs plan="):
+        tx.owners(["a.weight"])
+    with pytest.raises(funcshard.ShardingError, match=r"keys \['nope'\] are not parameters of the plan"):
+        cost.owner_costs(plan, tx, keys=["a.weight", "nope"])
