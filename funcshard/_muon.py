@@ -222,6 +222,12 @@ class Muon(torch.optim.Optimizer):
             if key not in by:
                 by[key] = [pg, rank, {}, []]
                 order.append(key)
+            if name in by[key][2]:
+                raise ValueError(
+                    f"optim.Muon: the name {name!r} names two sharded parameters of one param group (shapes "
+                    f"{tuple(by[key][2][name].shape)} and {tuple(p.shape)}); the owners and the exchange go by name. "
+                    f"Fix: give unique names (model.named_parameters() of the whole model), or one param group per "
+                    f"submodule")
             by[key][2][name] = spec
             by[key][3].append(j)
         out = []

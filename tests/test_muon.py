@@ -663,3 +663,19 @@ def test_owner_costs_of_multi_transform_without_plan(fake_mesh2):
         tx.owners(["a.weight"])
     with pytest.raises(funcshard.ShardingError, match=r"keys \['nope'\] are not parameters of the plan"):
         cost.owner_costs(plan, tx, keys=["a.weight", "nope"])
+
+
+def _duplicate_names():
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8, bias=False)) for _ in range(2)))
+    torch.distributed.fsdp.fully_shard(model, mesh=_mesh())
+    try:  # each layer's named_parameters(): "0.weight" twice in one group
+        optim.Muon([np for layer in model for np in layer.named_parameters()], lr=0.02)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_module_muon_refuses_duplicate_names_in_a_group():
+    # was: the two matrices shared one entry of the exchange, both got one's update (4e-2 off torch after 2 steps)
+    msg = run_ranks(2, _duplicate_names)[0]
+    assert msg is not None and "'0.weight' names two sharded parameters" in msg and "Fix:" in msg
