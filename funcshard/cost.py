@@ -247,7 +247,7 @@ class Cost:
         owners: one :class:`OwnerCost` per whole-matrix transformation of the optimizer (``optim.muon``,
             ``optim.owner_compute``, each labelled one of an ``optim.multi_transform``): its all-to-all bytes, the
             owners' extra memory and FLOPs (:func:`owner_costs`); empty without an optimizer or with none of these.
-            Not in ``peak_bytes`` or ``step_s``: printed after them.
+            Printed after the step's figures.
     """
 
     plan: Plan = dataclasses.field(repr=False)
