@@ -142,7 +142,8 @@ class Muon(torch.optim.Optimizer):
     world size). A plain tensor (an unsharded model) is ``torch.optim.Muon`` bit for bit. Parameters sharded on two
     mesh axes (FSDP over tensor parallel) raise at construction, naming the parameter and the fix; so do non-2-D
     parameters (give them to AdamW). Every rank must step the same parameters (FSDP gives every rank a gradient of
-    each parameter, or none).
+    each parameter, or none). Owners follow the parameters' names (``named_parameters()``: any order on each rank);
+    unnamed parameters are named by their position, so every rank must give them in the same order.
 
     Args:
         params: parameters or param groups, as for ``torch.optim`` (named parameters put their names in errors and
@@ -221,6 +222,12 @@ class Muon(torch.optim.Optimizer):
             if key not in by:
                 by[key] = [pg, rank, {}, []]
                 order.append(key)
+            if name in by[key][2]:
+                raise ValueError(
+                    f"optim.Muon: the name {name!r} names two sharded parameters of one param group (shapes "
+                    f"{tuple(by[key][2][name].shape)} and {tuple(p.shape)}); the owners and the exchange go by name. "
+                    f"Fix: give unique names (model.named_parameters() of the whole model), or one param group per "
+                    f"submodule")
             by[key][2][name] = spec
             by[key][3].append(j)
         out = []
@@ -229,7 +236,10 @@ class Muon(torch.optim.Optimizer):
             owners = None
             if pg is not None:
                 world = next(iter(specs.values())).world
-                owners = assign_owners([(k, s.shape, ns_flops(s.shape, ns_steps)) for k, s in specs.items()], world)
+                # by name: every rank the same table whatever order its parameters came in (equal-cost matrices
+                # get their owners by position); unnamed parameters are named by position, so their order counts
+                owners = assign_owners([(k, s.shape, ns_flops(s.shape, ns_steps)) for k, s in sorted(specs.items())],
+                                       world)
             out.append((pg, rank, specs, owners, idx))
         return out
 

@@ -248,7 +248,7 @@ class Cost:
         owners: one :class:`OwnerCost` per whole-matrix transformation of the optimizer (``optim.muon``,
             ``optim.owner_compute``, each labelled one of an ``optim.multi_transform``): its all-to-all bytes, the
             owners' extra memory and FLOPs (:func:`owner_costs`); empty without an optimizer or with none of these.
-            Not in ``peak_bytes`` or ``step_s``: printed after them.
+            Printed after the step's figures.
     """
 
     plan: Plan = dataclasses.field(repr=False)
@@ -794,7 +794,13 @@ def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
     if getattr(optimizer, "owners", None) is None:
         return ()
     keys = list(_shard_shapes(plan)) if keys is None else list(keys)
-    tables = optimizer.owners(keys)
+    bad = [k for k in keys if k not in plan.specs]
+    if bad:
+        raise ShardingError(f"cost.owner_costs: keys {bad[:8]} are not parameters of the plan (its parameters: "
+                            f"{list(plan.specs)[:8]}...)")
+    # (as init sees them: this rank's shards, here on the meta device; a multi_transform's callable labels read them)
+    tables = optimizer.owners({k: torch.empty(plan.specs[k].local_shape, dtype=plan.specs[k].dtype, device="meta")
+                               for k in keys})
     inner = getattr(optimizer, "transforms", None)
     if inner is not None:
         todo = [(label, t, getattr(inner[label], "wire_dtype", None)) for label, t in tables.items()]

@@ -1586,7 +1586,11 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
                 if plan is not None and k not in plan.specs:
                     raise ShardingError(f"{where}: {what} key {k!r} is not a parameter of the plan")
                 lab = labels(k, plan.specs[k] if plan is not None else tree[k])
-            if lab not in transforms:
+            try:
+                known = lab in transforms
+            except TypeError:  # (an unhashable label: a list, a dict)
+                known = False
+            if not known:
                 raise ValueError(f"{where}: parameter {k!r} is labelled {lab!r}, which names no transformation; the "
                                  f"labels are {list(transforms)}. Fix: return one of them for it")
             out[k] = lab
@@ -1637,7 +1641,13 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {k: outs[labs[k]][k] for k in updates}, MultiTransformState(new)
 
     def owners(params):
-        labs = label_of({k: None for k in params} if not isinstance(params, dict) else params, "params")
+        if not isinstance(params, dict):
+            if callable(labels) and plan is None:
+                raise TypeError(f"{where}: owners() of a list of paths needs plan= (the callable labels are given "
+                                f"each parameter's spec, or without a plan its tensor): pass the params dict "
+                                f"(tx.owners(state)), or give multi_transform plan=")
+            params = {k: None for k in params}
+        labs = label_of(params, "params")
         return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
                 if hasattr(t, "owners")}
 

@@ -612,3 +612,70 @@ def test_owners_do_not_depend_on_a_ranks_dict_order():
     # the exchange mixed them up silently (2e-2 off torch after 2 steps)
     (eq0, t0), (eq1, t1) = run_ranks(2, _rank_order_parity)
     assert eq0 and eq1 and t0 == t1
+
+
+def _module_rank_order_parity():
+    """optim.Muon over FSDP2: four equal matrices, rank 1 gives its named parameters in reverse order."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8, bias=False) for _ in range(4)))
+    ref = copy.deepcopy(model)
+    torch.distributed.fsdp.fully_shard(model, mesh=_mesh())
+    named = list(model.named_parameters())
+    opt = optim.Muon(named[::-1] if dist.get_rank() == 1 else named, lr=0.02)
+    torch_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+    specs = {k: type("S", (), {"shape": tuple(p.shape)}) for k, p in ref.named_parameters()}
+    for step in range(2):
+        full = _grads(specs, step, torch.float32)
+        for k, p in model.named_parameters():
+            p.grad = distribute_tensor(full[k], p.device_mesh, p.placements)
+        opt.step()
+        for k, p in ref.named_parameters():
+            p.grad = full[k]
+        torch_opt.step()
+    return all(torch.equal(p.full_tensor(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_module_muon_owners_do_not_depend_on_a_ranks_parameter_order():
+    # was: owners by each rank's parameter order: 2e-2 off torch after 2 steps, silently
+    assert all(run_ranks(2, _module_rank_order_parity))
+
+
+def test_multi_transform_unhashable_label_is_named():
+    # was: a bare TypeError "unhashable type: 'list'" from the dict lookup, naming neither parameter nor labels
+    tx = optim.multi_transform({"a": optim.sgd(0.1)}, lambda path, x: ["a"])
+    with pytest.raises(ValueError, match=r"parameter 'w' is labelled \['a'\], which names no transformation"):
+        tx.init({"w": torch.zeros(2)})
+
+
+def test_owner_costs_of_multi_transform_without_plan(fake_mesh2):
+    # was: owner_costs asked the labels about each path with None for its tensor: AttributeError from the user's
+    # callable (or, from one that tolerates None, a wrong table); now they see what init sees: the local shards' shapes
+    from funcshard import cost
+
+    plan = funcshard.plan(_Mixed(), fake_mesh2)
+    tx = optim.multi_transform({"muon": optim.muon(0.02, plan=plan), "adamw": optim.adamw(1e-2)},
+                               lambda path, x: "muon" if x.ndim == 2 else "adamw")
+    (oc,) = cost.owner_costs(plan, tx)
+    assert {e.path for e in oc.owners.entries} == {"inp.weight", "a.weight", "b.weight", "out.weight"}
+    with pytest.raises(TypeError, match=r"owners\(\) of a list of paths needs plan="):
+        tx.owners(["a.weight"])
+    with pytest.raises(funcshard.ShardingError, match=r"keys \['nope'\] are not parameters of the plan"):
+        cost.owner_costs(plan, tx, keys=["a.weight", "nope"])
+
+
+def _duplicate_names():
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8, bias=False)) for _ in range(2)))
+    torch.distributed.fsdp.fully_shard(model, mesh=_mesh())
+    try:  # each layer's named_parameters(): "0.weight" twice in one group
+        optim.Muon([np for layer in model for np in layer.named_parameters()], lr=0.02)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_module_muon_refuses_duplicate_names_in_a_group():
+    # was: the two matrices shared one entry of the exchange, both got one's update (4e-2 off torch after 2 steps)
+    msg = run_ranks(2, _duplicate_names)[0]
+    assert msg is not None and "'0.weight' names two sharded parameters" in msg and "Fix:" in msg
