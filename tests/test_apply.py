@@ -1207,3 +1207,57 @@ def test_create_graph_through_the_gather_is_first_order_or_refused():
         assert same
         assert re.search(r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again .* "
                          r"funcshard\.traced_apply or funcshard\.gather", msg), msg
+
+
+def _steps_freed_without_the_collector():
+    """Steps alive after each path's step is over, with Python's cycle collector off: a reference cycle through a
+    step (a part or a group's run holding it strongly) would keep its buffers and hooks until a collection."""
+    import gc
+
+    from funcshard._runtime import Step
+
+    torch.manual_seed(0)
+    model = MLP(layers=3)
+    model.blocks[0].l1.weight.requires_grad_(False)  # (a group with frozen parameters: FrozenRelease's counts)
+    plan = funcshard.plan(model, _mesh(), groups=(Block,))
+    state = funcshard.shard(plan)
+    x = torch.randn(4, 7)
+    loss = lambda s: funcshard.apply(plan, s, x).square().sum()  # noqa: E731
+
+    def alive():
+        return sum(isinstance(o, Step) and o.plan is plan for o in gc.get_objects())
+
+    gc.collect()
+    out = []
+    gc.disable()
+    try:
+        leaves = {k: v.detach().requires_grad_(plan.specs[k].requires_grad) for k, v in state.items()}
+        loss(leaves).backward()  # plain autograd: relayed gathers
+        del leaves
+        out.append(alive())
+        funcshard.value_and_grad(loss)(state)  # torch.func: the whole-step gather
+        out.append(alive())
+        value, vjp_fn = torch.func.vjp(loss, state)
+        vjp_fn(torch.ones_like(value))
+        del value, vjp_fn
+        out.append(alive())
+        with torch.no_grad():
+            loss(state)
+        out.append(alive())
+        fs_model = MLP(layers=3)
+        for b in fs_model.blocks:
+            funcshard.fully_shard(b, mesh=_mesh())
+        funcshard.fully_shard(fs_model, mesh=_mesh())
+        for _ in range(3):
+            fs_model(x).square().sum().backward()
+        # (the model keeps its latest step; the earlier ones go)
+        out.append(sum(isinstance(o, Step) and getattr(o.sink, "ctx", None) is not None
+                       and o.sink.ctx.top.modules[0] is fs_model for o in gc.get_objects()))
+    finally:
+        gc.enable()
+    return out
+
+
+def test_a_step_is_freed_without_the_cycle_collector():
+    for out in run_ranks(1, _steps_freed_without_the_collector):
+        assert out == [0, 0, 0, 0, 1], out
