@@ -215,7 +215,8 @@ def _check_forward(state: Mapping[str, torch.Tensor]) -> None:
     tangent, a vmap over stacked states another rank's rows) and its backward is first order (a grad of a grad got
     zeros): apply's rule (``check_transforms``), jvp left out."""
     if get_interpreter_stack() and any(is_functorch_wrapped_tensor(t) for t in state.values()):
-        check_transforms(_WHAT, kinds=(TransformType.Grad,), fix="for a jvp of the state use funcshard.apply; otherwise ")
+        check_transforms(_WHAT, kinds=(TransformType.Grad,),
+                         fix="for a jvp of the state use funcshard.apply; otherwise ")
 
 
 def _check_backward(grad: torch.Tensor) -> None:

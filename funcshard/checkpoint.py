@@ -28,7 +28,7 @@ import torch
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
-from funcshard._collectives import bounded_all_reduce, gather_tangents
+from funcshard._collectives import bounded_all_reduce, gather_tangents, public_where
 from funcshard._comm import plain
 from funcshard._compat import dtensor_local, root_mesh
 from funcshard._layout import full_layouts
@@ -196,7 +196,7 @@ def _dcp_group(plan: Plan, backend: str | None = None):
         return None
     key = (id(dist.group.WORLD), backend, ranks)
     pg = _part_groups.get(key)
-    if pg is None:  # (only the part's ranks take part in making it)
+    if pg is None or not _live(pg):  # (only the part's ranks take part in making it)
         pg = _part_groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return pg
 
@@ -214,10 +214,21 @@ def _save_group(plan: Plan):
     seconds = resolve_timeout(plan.timeout)
     key = (id(dist.group.WORLD), "save", ranks, seconds)
     pg = _part_groups.get(key)
-    if pg is None:  # (only the mesh's ranks take part in making it)
+    if pg is None or not _live(pg):  # (only the mesh's ranks take part in making it)
         kw = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
         pg = _part_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kw)
     return pg
+
+
+def _live(pg) -> bool:
+    """Whether a cached group is still registered (not destroyed since: e.g. by a test harness between jobs)."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(pg)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _save_failed(checkpoint_id: str, error: BaseException, pg) -> BaseException:
@@ -559,10 +570,11 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     if writes and tmp is not None:
         attempt(start)
 
+    where = public_where("all-gather", "checkpoint.export_full", pg, plan.timeout)  # (bounded, errors named)
     try:
         for g in plan.groups if first else ():
             if g.params:
-                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me)
+                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me, where)
                 if writes:
                     for p, t in zip(g.params, full):
                         emit(p, t)
