@@ -265,7 +265,8 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     Safe: the files go to ``<checkpoint_id>.saving`` and replace ``checkpoint_id`` only once every rank's are
     written (a rename by rank 0), so a save interrupted half-way (a rank killed mid-write) leaves the previous
     checkpoint at ``checkpoint_id`` as it was; :func:`load` refuses an uncommitted directory. Waits for an
-    :func:`async_save` still in flight first.
+    :func:`async_save` still in flight first. DCP's collectives run over a gloo group of the mesh's ranks bounded by
+    the plan's timeout: a rank that dies or stalls mid-save makes the others raise a CollectiveError within it.
     """
     import torch.distributed.checkpoint as dcp
 

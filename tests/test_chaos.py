@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import funcshard
-from funcshard import CollectiveError, ShardingError, checkpoint, optim
+from funcshard import checkpoint, optim
 from multirank import Died, run_ranks, shutdown_pools
 
 BOUND = 6.0  # s: the plans' timeout in the trials (a save at W = 4 on a loaded 2-core machine took over 3 s)
