@@ -36,9 +36,8 @@ Failures:
 
 Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
 the pool is killed and the next call starts a fresh one.  After every job in which all ranks
-answered, the process groups the job made are destroyed (their gloo threads end with them) and an
-all_reduce on the default group checks that the pool is still in step (no rank left a collective
-behind, nobody destroyed the default group); if not, the pool is discarded too.
+answered, an all_reduce on the default group checks that the pool is still in step (no rank left
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
 Worker stdout/stderr (file descriptors 1 and 2) go where the parent's went when the pool started (pytest
 captures them).
 """
@@ -131,7 +130,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
     except BaseException:
         reply = ("err", traceback.format_exc())
     conn.send_bytes(pickle.dumps(reply))
-    groups = set()
     while reply[0] == "ok":
         try:
             cmd, path, cwd, job = pickle.loads(conn.recv_bytes())
@@ -141,7 +139,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
         try:
             if cmd == "sync":
-                _drop_groups(groups)
                 t = torch.ones(1)
                 dist.all_reduce(t)
                 if t.item() != world_size:
@@ -150,7 +147,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             else:
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
                 os.chdir(cwd)
-                groups = set(dist.distributed_c10d._world.pg_map)  # (the job's own are destroyed at the sync)
                 fn, args, kwargs = pickle.loads(job)
                 result = fn(*args, **kwargs)
             out = pickle.dumps(("ok", result))
@@ -164,21 +160,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _drop_groups(kept) -> None:
-    """Destroy the process groups the last job made (every rank has answered: none is still in a collective), so
-    that their gloo threads and sockets end (a suite run left hundreds per worker), and make funcshard forget them.
-    A test keeping a group for its next job (a cache) finds it destroyed: make it again there."""
-    made = [pg for pg in list(dist.distributed_c10d._world.pg_map) if pg not in kept and pg is not dist.group.WORLD]
-    forget = getattr(sys.modules.get("funcshard._collectives"), "forget", None)
-    for pg in made:
-        try:
-            dist.destroy_process_group(pg)
-        except (ValueError, RuntimeError):  # (destroyed by the job itself)
-            pass
-        if forget is not None:
-            forget(pg)
 
 
 # ----------------------------------------------------------------------------- parent side
