@@ -265,15 +265,17 @@ def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: i
     return pending
 
 
-def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int):
-    """All-gather a group's shard tangents (or shards) into new full tensors: the forward-mode rule."""
+def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int,
+                    where: Where | None = None):
+    """All-gather a group's shard tangents (or shards) into new full tensors: the forward-mode rule. ``where``: what
+    the wait names and is bounded by (``wait_work``; checkpoint.export_full's)."""
     with no_functorch(), no_grad():
         device = next(t.device for t in tangents if t is not None)
         shards = [torch.zeros(s.local_shape, dtype=s.dtype, device=device) if t is None else raw(t)
                   for s, t in zip(layout.specs, tangents)]
         bases = layout.new_buffers(device)
         start_gather(layout, layout.flat_shards(shards), group, rank,
-                     outs=bases if layout.flat else None).finish(layout.copy_targets(bases))
+                     outs=bases if layout.flat else None, where=where).finish(layout.copy_targets(bases))
     return layout.views(bases)
 
 

@@ -28,7 +28,7 @@ import torch
 from funcshard import optim
 from funcshard._checkpoint_dcp import mark, present
 from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
-from funcshard._collectives import bounded_all_reduce
+from funcshard._collectives import bounded_all_reduce, public_where
 from funcshard._pipeline import gather_tangents
 from funcshard._comm import plain
 from funcshard._compat import dtensor_local, root_mesh
@@ -210,7 +210,7 @@ def _dcp_group(plan: Plan, backend: str | None = None):
         return None
     key = (id(dist.group.WORLD), backend, ranks)
     pg = _part_groups.get(key)
-    if pg is None:  # (only the part's ranks take part in making it)
+    if pg is None or not _live(pg):  # (only the part's ranks take part in making it)
         pg = _part_groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
     return pg
 
@@ -228,10 +228,21 @@ def _save_group(plan: Plan):
     seconds = resolve_timeout(plan.timeout)
     key = (id(dist.group.WORLD), "save", ranks, seconds)
     pg = _part_groups.get(key)
-    if pg is None:  # (only the mesh's ranks take part in making it)
+    if pg is None or not _live(pg):  # (only the mesh's ranks take part in making it)
         kw = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
         pg = _part_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kw)
     return pg
+
+
+def _live(pg) -> bool:
+    """Whether a cached group is still registered (not destroyed since: e.g. by a test harness between jobs)."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(pg)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _save_failed(checkpoint_id: str, error: BaseException, pg) -> BaseException:
@@ -268,7 +279,8 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     Safe: the files go to ``<checkpoint_id>.saving`` and replace ``checkpoint_id`` only once every rank's are
     written (a rename by rank 0), so a save interrupted half-way (a rank killed mid-write) leaves the previous
     checkpoint at ``checkpoint_id`` as it was; :func:`load` refuses an uncommitted directory. Waits for an
-    :func:`async_save` still in flight first.
+    :func:`async_save` still in flight first. DCP's collectives run over a gloo group of the mesh's ranks bounded by
+    the plan's timeout: a rank that dies or stalls mid-save makes the others raise a CollectiveError within it.
 
     Args:
         plan: the :class:`funcshard.Plan` the state was sharded by.
@@ -610,10 +622,11 @@ def export_full(plan: Plan, state: Mapping[str, torch.Tensor], to: str | Callabl
     if writes and tmp is not None:
         attempt(start)
 
+    where = public_where("all-gather", "checkpoint.export_full", pg, plan.timeout)  # (bounded, errors named)
     try:
         for g in plan.groups if first else ():
             if g.params:
-                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me)
+                full = gather_tangents(lay[g.name], [state[p] for p in g.params], pg, me, where)
                 if writes:
                     for p, t in zip(g.params, full):
                         emit(p, t)

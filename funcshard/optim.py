@@ -580,13 +580,13 @@ def _check_moments(where: str, what: str, updates: PyTree, state: ScaleByAdamSta
     nu, nu_spec = tree_flatten(state.nu)
     _check_match(where, what, updates, g, spec, "optimizer state", state.mu, mu, mu_spec, _FIX_STATE)
     _check_match(where, what, updates, g, spec, "optimizer state", state.nu, nu, nu_spec, _FIX_STATE)
-    for path, x, m in zip(_paths(updates), g, mu):  # (the moments' lerp_ / addcmul_ need the same dtype)
-        if x.dtype != m.dtype:
-            raise ValueError(
-                f"{where}: dtype mismatch at {_keystr(path)}: {what} are {x.dtype} but the optimizer state (made "
-                f"from the params by init) is {m.dtype}. Fix: give the {what} the params' dtype (e.g. "
-                f"{{k: g.to(params[k].dtype) for k, g in grads.items()}}; funcshard's gradients come in the shards' "
-                f"dtype, whatever the reduce_dtype), or init the state from params of the {what}' dtype")
+    if any(x.dtype != m.dtype for x, m in zip(g, mu)):  # (the moments' lerp_ / addcmul_ need the same dtype)
+        path, x, m = next((p, x, m) for p, x, m in zip(_paths(updates), g, mu) if x.dtype != m.dtype)
+        raise ValueError(
+            f"{where}: dtype mismatch at {_keystr(path)}: {what} are {x.dtype} but the optimizer state (made "
+            f"from the params by init) is {m.dtype}. Fix: give the {what} the params' dtype (e.g. "
+            f"{{k: g.to(params[k].dtype) for k, g in grads.items()}}; funcshard's gradients come in the shards' "
+            f"dtype, whatever the reduce_dtype), or init the state from params of the {what}' dtype")
     return g, spec, mu, nu, mu_spec
 
 

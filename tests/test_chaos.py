@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import funcshard
-from funcshard import CollectiveError, ShardingError, checkpoint, optim
+from funcshard import checkpoint, optim
 from multirank import Died, run_ranks, shutdown_pools
 
 BOUND = 6.0  # s: the plans' timeout in the trials (a save at W = 4 on a loaded 2-core machine took over 3 s)
@@ -210,12 +210,14 @@ def _run_trial(seed: int, tmp) -> dict:
     assert os.path.exists(os.path.join(cfg["dir"], "fault")), (cfg, results)  # (the victim reached its point)
     with open(os.path.join(cfg["dir"], "fault")) as f:
         fault_at = float(f.read().split()[0])
-    out = {**cfg, "took": took, "late": [], "wrong": []}
+    out = {**cfg, "took": took, "late": [], "wrong": [], "delays": []}
     for rank, r in enumerate(results):
         if rank == cfg["victim"]:
             assert (r == Died(-signal.SIGKILL)) == (cfg["fault"] == "kill"), (cfg, r)
             continue
         kind, message, at, _ = r
+        if at is not None:
+            out["delays"].append(at - fault_at)
         if kind not in _FUNCSHARD_ERRORS:
             out["wrong"].append((rank, kind, message[:300]))
         elif at - fault_at > BOUND + SLACK:
@@ -252,7 +254,12 @@ def test_chaos_long(tmp_path):
             (o["fault"], o["path"], o["point"], "hsdp" if o["hsdp"] else "1-D"), 0) + 1
     print(f"\nchaos: {len(outs)} trials; faults {faults}; late {sum(bool(o['late']) for o in outs)}; wrong errors "
           f"{sum(bool(o['wrong']) for o in outs)}; checkpoints not bit for bit "
-          f"{sum(1 for o in outs if o['loaded'] is not None and o['loaded'] < 0)}; slowest trial "
-          f"{max(o['took'] for o in outs):.1f} s")
+          f"{sum(1 for o in outs if o['loaded'] is not None and o['loaded'] < 0)}; checkpoints loaded "
+          f"{sum(1 for o in outs if o['loaded'])}; slowest trial {max(o['took'] for o in outs):.1f} s")
+    for fault in ("kill", "stall"):
+        delays = sorted(d for o in outs if o["fault"] == fault for d in o["delays"])
+        if delays:
+            print(f"  {fault}: survivors' error after the fault: median {delays[len(delays) // 2]:.2f} s, max "
+                  f"{delays[-1]:.2f} s (bound {BOUND:g} s + {SLACK:g} s) over {len(delays)} survivors")
     for o in outs:
         _check(o)

@@ -87,7 +87,10 @@ def _release() -> None:
 
     while _MADE:
         pg = _MADE.pop()
-        dist.destroy_process_group(pg)
+        try:
+            dist.destroy_process_group(pg)
+        except ValueError:  # (multirank destroys a job's groups once every rank has answered)
+            pass
         forget(pg)
 
 

@@ -55,7 +55,14 @@ the waiting ranks are woken (``_ABANDONED``) and raise the same error, and a ran
 of going on alone into the step's collectives. The exchanges count steps and collectives per process group: every rank
 must make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
 exchange that every rank finished, whatever happens next (a forward without backward, a backward that raises); an
-exchange that timed out leaves its keys (the process group is broken then, and refused).
+exchange that timed out leaves its keys (the process group is broken then, and refused). A group made again under a
+name used before (same store prefix) reads and writes keys of its own (``_peers``).
+
+A dead peer is seen at once, not at the bound: each rank posts its process (host, pid, start time) in the group's store
+at its first step (one key per rank and group, kept), and a rank waiting in an exchange looks at the processes of its
+peers on the same host after every second of waiting (``_check_alive``): a peer whose process is gone raises a
+CollectiveError naming it (peers on other hosts: at the bound). The step's collectives see a dead peer through gloo's
+closed connection.
 """
 
 from __future__ import annotations
