@@ -20,8 +20,9 @@ Per sweep and system, a least-squares line CPU = a + b x; its slope (per group, 
 relative residual show whether the cost is flat per group and whether a superlinear term in W shows (a
 quadratic fit's relative curvature is reported too).
 
-    nice python benchmarks/scaling.py                       # ~3-4 min on a loaded 2-core machine
-    nice python benchmarks/scaling.py --out benchmarks/SCALING   # also SCALING.json, and SCALING.png (matplotlib)
+    nice python benchmarks/scaling.py                       # ~7 min on the loaded 2-core VM (see SCALING.md)
+    nice python benchmarks/scaling.py --groups 13 --fsdp2   # the W sweep with FSDP2 alongside: ~2 min
+    nice python benchmarks/scaling.py --out /tmp/s             # also /tmp/s.json and /tmp/s.png (matplotlib, Agg)
 """
 
 from __future__ import annotations
