@@ -42,7 +42,6 @@ out["same"] = [funcshard.apply is funcshard._apply.apply, funcshard.shard is fun
 out["submodules"] = ["funcshard._checkpoint_init" not in sys.modules,
                      funcshard._checkpoint_init is sys.modules["funcshard._checkpoint_init"],
                      funcshard._schedule is sys.modules["funcshard._schedule"], not hasattr(funcshard, "__nope__")]
-out["after"] = "torch._dynamo" in sys.modules
 print(json.dumps(out))
 """
 
@@ -61,4 +60,3 @@ def test_import_funcshard_leaves_out_dynamo_and_dcp():
     assert out["missing"] == "module 'funcshard' has no attribute 'no_such_name'"
     assert out["same"] == [True] * 8, out["same"]
     assert out["submodules"] == [True] * 4
-    assert out["after"]  # the runtime's modules (torch.compiler.disable'd entry points) bring torch._dynamo
