@@ -12,6 +12,7 @@ loss_value, grads = funcshard.value_and_grad(loss)(state, x, y)   # sharded, ave
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 # Start-up (issue 36): ``import funcshard`` imports the core that planning needs (torch, torch.distributed, DTensor,
@@ -50,10 +51,14 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    """The public names not imported with the package (``_LAZY``), imported on first read and bound here."""
+    """The public names not imported with the package (``_LAZY``), imported on first read and bound here; any
+    other submodule (``funcshard.fsdp``, ``funcshard._runtime``: attributes of the package once imported, as when
+    the package imported them all) is imported when read too."""
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'funcshard' has no attribute {name!r}")
+        if name.startswith("__") or importlib.util.find_spec(f"funcshard.{name}") is None:
+            raise AttributeError(f"module 'funcshard' has no attribute {name!r}")
+        module = f"funcshard.{name}"
     mod = importlib.import_module(module)
     value = mod if module == f"funcshard.{name}" else getattr(mod, name)
     globals()[name] = value
