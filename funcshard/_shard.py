@@ -41,7 +41,7 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
         )
     # The fast path (every call of apply): one pass comparing each shard with the plan's expectation.
     expect = expected_shards(plan)
-    if len(state) == len(expect):
+    if len(state) == len(expect) and not isinstance(next(iter(state.values()), None), DTensor):
         device_type, tensor, host = plan.mesh.device_type, torch.Tensor, host_keys(plan)
         if on_host:
             host = {**host, **dict.fromkeys(on_host)}
@@ -60,6 +60,11 @@ def check_state(plan: Plan, state: Mapping[str, torch.Tensor], *, what: str = "s
             problems.append(f"  {k}: not a parameter of this plan (extra key)")
         elif not isinstance(v, torch.Tensor):
             problems.append(f"  {k}: a {type(v).__name__}, not a tensor")
+        elif isinstance(v, DTensor):
+            problems.append(
+                f"  {k}: a DTensor (global {tuple(v.shape)}, {tuple(v.placements)}), not this rank's local shard: a "
+                f"fully_shard model's parameters are its own state (call the model itself); for {what} make plain "
+                f"shards with funcshard.shard(plan) (or funcshard.shard(plan, {{k: p.full_tensor()}}))")
         elif k in host and v.device.type != "cpu":
             problems.append(f"  {k}: on {v.device}, its group offloads to the host (CPUOffloadPolicy); make the state "
                             f"with funcshard.shard(plan), which places it there")

@@ -1261,3 +1261,34 @@ def _steps_freed_without_the_collector():
 def test_a_step_is_freed_without_the_cycle_collector():
     for out in run_ranks(1, _steps_freed_without_the_collector):
         assert out == [0, 0, 0, 0, 1], out
+
+
+def _dtensor_state(fs: bool):
+    """A fully_shard model's DTensor parameters (or DTensors made by hand) passed to apply as its state."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.manual_seed(0)
+    plan = funcshard.plan(MLP(layers=2), _mesh(), groups=(Block,))
+    if fs:
+        model = MLP(layers=2)
+        funcshard.fully_shard(model, mesh=_mesh())
+        state = dict(model.named_parameters())
+    else:
+        state = {k: DTensor.from_local(v, _mesh(), [Shard(0)], run_check=False)
+                 for k, v in funcshard.shard(plan).items()}
+    try:
+        funcshard.apply(plan, state, torch.randn(4, 7))
+        return "no error"
+    except ShardingError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dtensor_state_is_named(world):
+    """DTensors as apply's state (a fully_shard model's parameters): a ShardingError naming them and the fix (at W=1
+    it reached torch's 'mixed torch.Tensor and DTensor' inside the runtime; at W=2 it named the global shape a local
+    shard's)."""
+    for fs in (True, False):
+        for msg in run_ranks(world, _dtensor_state, fs):
+            assert re.search(r"a DTensor \(global .*\), not this rank's local shard: a fully_shard model's "
+                             r"parameters are its own state .* funcshard\.shard\(plan\)", msg), msg
