@@ -135,6 +135,14 @@ def mark_composable(module, api: str) -> None:
     module.__dict__.setdefault(_COMPOSABLE_KEY, collections.OrderedDict()).setdefault(api, _ComposableItem())
 
 
+# ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo: the mark dynamo reads (torch
+    2.11 to 2.13 set exactly this attribute; tests/test_compile.py's traced-mode tests would see a difference)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # ---- torch.distributed: renamed collectives (public names; chosen here with the other version differences) ---
 # torch 2.13 renamed the tensor collectives (all_gather_into_tensor -> all_gather_single, reduce_scatter_tensor
 # -> reduce_scatter_single); older releases have only the old names.
@@ -221,5 +229,5 @@ __all__ = [
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
     "FakeTensor",
     "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
-    "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable",
+    "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable", "assume_constant_result",
 ]

@@ -24,7 +24,7 @@ from funcshard._collectives import (
     reduce_scatter_into,
     wait_work,
 )
-from funcshard._compat import TransformType, dispatch_keys, get_interpreter_stack
+from funcshard._compat import TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack
 from funcshard._mesh import shard_group
 from funcshard._spec import ShardSpec, from_split, unpad
 
@@ -376,7 +376,7 @@ class Bucket(NamedTuple):
     recompute: bool  # gather again in backward (reshard_after_forward), under torch.compile
 
 
-@torch.compiler.assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
+@assume_constant_result  # (dynamo runs it at trace time: py3.11's functools.cached_property takes a
 def geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, which dynamo does not trace)
     """``(local numel, local shape, dim, padded shape, size, padding)`` of a parameter of ``shape`` sharded on ``dim``
     over ``world`` ranks: ``ShardSpec``'s, from plain arguments (a frozen dataclass argument is one torch 2.11's

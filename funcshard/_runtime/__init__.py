@@ -6,10 +6,19 @@ and the job each owns. It owns the unsharded (padded) parameter tensors as raw b
 where autograd only ever sees wrapped views of them.
 """
 
-from funcshard._runtime.buffers import Status
-from funcshard._runtime.group import GroupRun
-from funcshard._runtime.step import Step
-
-_Status = Status  # (the name tests and tools have used)
-
 __all__ = ["GroupRun", "Status", "Step"]
+
+_WHERE = {"Status": "buffers", "_Status": "buffers", "GroupRun": "group", "Step": "step"}
+
+
+def __getattr__(name: str):
+    """The package's names, imported when first read: ``funcshard.cost`` reads ``_runtime.buffers.Status`` alone,
+    and the group runs' and step's modules import torch._dynamo (their ``runtime_boundary``), which ``import
+    funcshard`` and planning leave out (issue 36's start-up)."""
+    import importlib
+
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), "Status" if name == "_Status" else name)
+    globals()[name] = value
+    return value
