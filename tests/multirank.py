@@ -321,6 +321,14 @@ def shutdown_pools():
 atexit.register(shutdown_pools)
 
 
+def fresh_pool(world_size: int) -> None:
+    """Stop the pool of ``world_size`` ranks, if any: the next job starts one afresh (a job whose ranks must not share
+    a history of process groups with earlier jobs')."""
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
 class Died(NamedTuple):
     """``run_ranks(..., dead_ok=True)``'s result for a rank that died: its exit code (negative: the signal)."""
 

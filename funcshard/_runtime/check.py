@@ -55,8 +55,8 @@ the waiting ranks are woken (``_ABANDONED``) and raise the same error, and a ran
 of going on alone into the step's collectives. The exchanges count steps and collectives per process group: every rank
 must make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
 exchange that every rank finished, whatever happens next (a forward without backward, a backward that raises); an
-exchange that timed out leaves its keys (the process group is broken then, and refused). A group made again under a
-name used before (same store prefix) reads and writes keys of its own (``_peers``).
+exchange that timed out leaves its keys (the process group is broken then, and refused). Not handled: a group made
+again under a name used before (same store prefix) after such a timeout reads the old keys.
 
 A dead peer is seen at once, not at the bound: each rank posts its process (host, pid, start time) in the group's store
 at its first step (one key per rank and group, kept), and a rank waiting in an exchange looks at the processes of its
@@ -98,7 +98,6 @@ _SEQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -
 # same on every rank)}; per group object, not name: ranks run as threads (torch's threaded group) have one each
 _PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
 # check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
-_MADE: dict[tuple, int] = {}  # (process group name, ranks, rank) -> the groups of that name this process checked
 # before (see _peers)
 ENABLED = True  # the default check (benchmarks/divergence_check.py turns it off to measure it); not check mode's
 
@@ -125,15 +124,6 @@ def _peers(pg):
         world = dist.get_world_size(pg)
         fake = str(dist.get_backend(pg)) == "fake"
         store = None if world == 1 or fake else process_group_store(pg)
-        if store is not None:  # a group made again under a name used before (the default group initialised again
-            # on the same store, new_group(..., use_local_synchronization=True) over the same ranks) has the same
-            # store prefix: a timed-out exchange's keys are still there. Each process counts the groups it made
-            # under the name (every rank makes the same ones), and the n-th reads and writes its own keys. (Per
-            # ranks and rank too: ranks run as threads of one process, torch's threaded group, each make one.)
-            made = (pg.group_name, tuple(dist.get_process_group_ranks(pg)), dist.get_rank(pg))
-            n = _MADE[made] = _MADE.get(made, -1) + 1
-            if n:
-                store = dist.PrefixStore(f"funcshard.{n}/", store)
         hit = _PEERS[pg] = (store, world, dist.get_rank(pg), dist.get_process_group_ranks(pg))
         if hit[0] is not None:
             hit[0].set(f"funcshard/process/{hit[2]}", _process())
