@@ -29,7 +29,7 @@ import funcshard
 from funcshard import optim
 from funcshard.fsdp import DataParallelMeshDims
 from models import MLP, Block
-from multirank import run_ranks
+from multirank import fresh_pool, run_ranks
 from test_mesh2d import GroupCollectives, _axes, _per_group, catch_into
 
 STEPS = 10
