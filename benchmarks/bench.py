@@ -3,6 +3,7 @@
     python benchmarks/bench.py              # CPU gloo W = 2 and 4, ~10M..~100M params, + fake-PG W = 8 (~10 min)
     python benchmarks/bench.py --quick      # the same checks on smaller models (under 2 min)
     python benchmarks/bench.py --mp bf16    # mixed precision: every sharded system with the same bf16 policy
+    python benchmarks/bench.py --no-cpu --no-fake-cpu --cuda-models gpt-100M-b8:5:3   # the CUDA runs only
 
 Writes ``benchmarks/out/results.json``, ``results.md`` and ``results.png`` (needs matplotlib: the ``bench``
 extra), and, for a full run (or ``--write-results``), ``benchmarks/RESULTS.md``.
@@ -99,6 +100,7 @@ M10_CUDA = S.ModelConfig("gpt-10M-b8", 4096, 256, 4, 12, 256, 8)
 M100_CUDA = S.ModelConfig("gpt-100M-b8", 8192, 768, 12, 12, 512, 8)
 CUDA_PLAN = [(TINY, 10, 10), (M10_CUDA, 10, 10), (M100_CUDA, 10, 5)]
 CUDA_PLAN_QUICK = [(TINY, 5, 5), (M10_CUDA, 5, 5)]
+MODELS = {m.name: m for m in (TINY, M10, M30, M100, SMALL, TINY_Q, M10_CUDA, M100_CUDA)}  # --cuda-models' names
 FAKE_WORLD = 8
 
 
@@ -747,6 +749,12 @@ def main(argv=None) -> int:
                     help="precision of the sharded systems: fp32 (default, no mixed precision) or bf16 (bf16 params "
                          "and compute, fp32 reduce-scatter: the same MixedPrecisionPolicy for FSDP2, fully_shard and "
                          "plan/apply; unsharded and ddp stay fp32); the report is RESULTS.md's bf16 section")
+    ap.add_argument("--cuda-models", nargs="+", metavar="NAME:REPEATS:STEPS", default=None,
+                    help=f"the CUDA runs' models (default: {' '.join(f'{m.name}:{r}:{k}' for m, r, k in CUDA_PLAN)}; "
+                         f"names: {', '.join(sorted(MODELS))})")
+    ap.add_argument("--cuda-dry-run", action="store_true",
+                    help="run the CUDA section (W=1, fake-PG W=8) on the CPU: gloo instead of NCCL, device cpu (a "
+                         "check of the script on a machine without a GPU; its rows are CPU rows)")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--write-results", action="store_true", help="write benchmarks/RESULTS.md after --quick too")
     ap.add_argument("--no-write-results", action="store_true", help="never write benchmarks/RESULTS.md")
@@ -795,10 +803,13 @@ def main(argv=None) -> int:
         for w in args.worlds:
             runs += run_world(w, "gloo", jobs(plan_.get(w, plan_[2]), "cpu"))
     have_cuda = torch.cuda.is_available()
-    if have_cuda:
+    if have_cuda or args.cuda_dry_run:
         cplan = CUDA_PLAN_QUICK if args.quick else CUDA_PLAN
-        runs += run_world(1, "nccl", jobs(cplan, "cuda"))
-        runs += run_world(FAKE_WORLD, "fake", fake_jobs(cplan, "cuda"), nprocs=1)
+        if args.cuda_models:
+            cplan = [_model_spec(spec, ap) for spec in args.cuda_models]
+        backend, device = ("gloo", "cpu") if args.cuda_dry_run else ("nccl", "cuda")
+        runs += run_world(1, backend, jobs(cplan, device))
+        runs += run_world(FAKE_WORLD, "fake", fake_jobs(cplan, device), nprocs=1)
     else:
         print("no GPU: the CUDA runs (W=1 NCCL, fake-PG W=8) are skipped", flush=True)
     if args.fake_cpu or (args.fake_cpu is None and not args.quick):
@@ -812,6 +823,15 @@ def main(argv=None) -> int:
             if "traceback" in rec:
                 print(f"--- {rec['status']}\n{rec['traceback']}", file=sys.stderr)
     return report({"meta": meta, "runs": runs}, args)
+
+
+def _model_spec(spec: str, ap) -> tuple:
+    """``NAME:REPEATS:STEPS`` -> (ModelConfig, repeats, steps)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in MODELS or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        ap.error(f"--cuda-models {spec!r}: expected NAME:REPEATS:STEPS with NAME one of {sorted(MODELS)} and two "
+                 f"positive integers, e.g. tiny-33g:5:5")
+    return MODELS[parts[0]], int(parts[1]), int(parts[2])
 
 
 def report(data: dict, args) -> int:
