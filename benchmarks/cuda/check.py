@@ -14,8 +14,9 @@ it exits 1 when a check failed, 2 when it raised (the traceback is in the JSON a
   (pinned) on ``fully_shard`` against FSDP2's and on ``apply``.
 * ``fake8``: the fake process group at W=8 on the one GPU: FSDP2, ``fully_shard`` and ``apply`` in fp32 and bf16
   run their steps (numbers are meaningless: the fake collectives move nothing), peak memory of each.
-* ``trace``: one ``fs_apply`` and one ``fs_fully_shard`` step at W=1 NCCL under ``funcshard.trace`` and
-  ``torch.profiler``: the Chrome traces (gzip) and which CUDA streams ran the collectives and the compute.
+* ``trace``: one ``fs_apply``, ``fs_fully_shard`` and ``fully_shard`` + ``CPUOffloadPolicy`` step at W=1 NCCL under
+  ``funcshard.trace`` and ``torch.profiler``: the Chrome traces (gzip) and which CUDA streams ran the collectives
+  (none at W=1: FSDP2 and funcshard skip them there), the copies and the compute.
 * ``cost``: ``funcshard.cost.estimate``'s peak against the measured ``torch.cuda.max_memory_allocated`` of the same
   plan (``benchmarks/systems.py``'s ``fs_apply``), W=1 NCCL fp32 and bf16, and fake-PG W=8 fp32.
 """
@@ -425,14 +426,28 @@ def _stream_summary(prof) -> dict:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        s = out.setdefault(str(e.device_resource_id), {"nccl": 0, "memcpy": 0, "other": 0, "us": 0.0,
-                                                        "examples": []})
+        s = out.setdefault(str(e.device_resource_id), {"nccl": 0, "memcpy": 0, "host_copies": 0, "other": 0,
+                                                        "us": 0.0, "examples": []})
         kind = "nccl" if "nccl" in e.name.lower() else "memcpy" if e.name.startswith(("Memcpy", "Memset")) else "other"
         s[kind] += 1
+        s["host_copies"] += e.name.startswith(("Memcpy HtoD", "Memcpy DtoH"))
         s["us"] += e.device_time if hasattr(e, "device_time") else e.cuda_time
         if len(s["examples"]) < 4 and e.name[:60] not in s["examples"]:
             s["examples"].append(e.name[:60])
     return out
+
+
+def _offload_system(cfg, mesh, x, y):
+    """fully_shard with CPUOffloadPolicy (pinned on CUDA) per Block and on the root, torch's AdamW."""
+    import funcshard
+    import systems as S
+
+    model = cfg.build("cpu")  # on the host: offloaded shards stay there
+    kw = {"offload_policy": funcshard.CPUOffloadPolicy(pin_memory=not DRY)}
+    for b in model.blocks:
+        funcshard.fully_shard(b, mesh=mesh, **kw)
+    funcshard.fully_shard(model, mesh=mesh, **kw)
+    return S._ModuleSystem(model, S._adamw(model.parameters()), x, y)
 
 
 def stage_trace(rep: Report) -> None:
@@ -445,8 +460,8 @@ def stage_trace(rep: Report) -> None:
     cfg = _cfg("small")
     x, y = S.batch(cfg, 0, 1, dev)
     acts = [ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])
-    for name in ("fs_apply", "fs_fully_shard"):
-        sysobj = S.build(name, cfg, mesh, dev, x, y)
+    for name in ("fs_apply", "fs_fully_shard", "fs_fully_shard_offload"):
+        sysobj = _offload_system(cfg, mesh, x, y) if name.endswith("offload") else S.build(name, cfg, mesh, dev, x, y)
         sysobj.step()
         sysobj.step()
         _sync()
@@ -466,7 +481,13 @@ def stage_trace(rep: Report) -> None:
                           "profiler_trace_bytes": os.path.getsize(str(raw) + ".gz")}
         rep.check(f"trace {name}: funcshard.trace saw the runtime's events", len(tr.events) > 0,
                   f"{len(tr.events)} events, overlap {tr.overlap()}")
-        where = f"nccl kernels on streams {sorted(nccl)}, other kernels on {sorted(compute)}"
+        copies = {s for s, v in streams.items() if v["memcpy"]}
+        where = (f"nccl kernels on streams {sorted(nccl)}, other kernels on {sorted(compute)}, copies/memsets on "
+                 f"{sorted(copies)}")
+        if name.endswith("offload") and not DRY:
+            host = {s for s, v in streams.items() if v["host_copies"]}
+            rep.check(f"trace {name}: host<->device copies on a stream of their own (the copy stream)",
+                      bool(host) and not (host & compute), f"host copies on {sorted(host)}; " + where)
         if nccl:
             rep.check(f"trace {name}: NCCL kernels on a stream of their own (not a compute stream)",
                       not (nccl & compute), where)

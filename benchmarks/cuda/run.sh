@@ -57,9 +57,9 @@ stage() {
 }
 
 if [ $DRY = 1 ]; then
-  TINY="tiny-13g:1:1"; BIG="gpt-3M:1:1"; SYSTEMS="--systems unsharded fsdp2 fs_apply fs_fully_shard"
+  TINY="tiny-13g:1:1"; BIG="tiny-13g:1:1"; SYSTEMS="--systems unsharded fsdp2 fs_apply fs_fully_shard"
 else
-  TINY="tiny-33g:5:5"; BIG="gpt-100M-b8:3:3"; SYSTEMS=""
+  TINY="tiny-33g:4:4"; BIG="gpt-100M-b8:3:3"; SYSTEMS=""
 fi
 CHECK="$PY benchmarks/cuda/check.py"
 BENCH="$PY benchmarks/bench.py --no-cpu --no-fake-cpu --no-write-results"
@@ -70,9 +70,9 @@ stage env 25 $CHECK env --out "$W/check"
 stage pytest_cuda 60 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py --junitxml="$W/pytest_cuda.xml" -rA
 stage parity 60 $CHECK parity --out "$W/check"
 # b) the benchmark on CUDA: W=1 NCCL and fake-PG W=8 (each bench call runs both), fp32 then bf16 on ~100M params
-stage bench_tiny_fp32 60 $BENCH $SYSTEMS --cuda-models $TINY --out "$W/bench_tiny_fp32"
-stage bench_100M_fp32 80 $BENCH $SYSTEMS --cuda-models $BIG --out "$W/bench_100M_fp32"
-stage bench_100M_bf16 70 $BENCH $SYSTEMS --mp bf16 --cuda-models $BIG --out "$W/bench_100M_bf16"
+stage bench_tiny_fp32 75 $BENCH $SYSTEMS --cuda-models $TINY --out "$W/bench_tiny_fp32"
+stage bench_100M_fp32 75 $BENCH $SYSTEMS --cuda-models $BIG --out "$W/bench_100M_fp32"
+stage bench_100M_bf16 65 $BENCH $SYSTEMS --mp bf16 --cuda-models $BIG --out "$W/bench_100M_bf16"
 # c) one traced step per API (funcshard.trace + torch.profiler); d) the cost model's peak vs max_memory_allocated
 stage trace 30 $CHECK trace --out "$W/check"
 stage cost 40 $CHECK cost --out "$W/check"
