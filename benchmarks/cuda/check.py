@@ -367,6 +367,12 @@ def _offload(rep, cfg, mesh, dev):
 
 
 def stage_parity(rep: Report) -> None:
+    # bit-for-bit comparisons need run-to-run deterministic kernels (cuBLAS workspaces, no atomics-ordered sums);
+    # warn_only: an op without a deterministic kernel warns (in the log) instead of raising
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    rep.data["deterministic"] = {"use_deterministic_algorithms": True, "warn_only": True,
+                                 "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"]}
     dev, mesh = _init(1)
     cfg = _cfg("small")
     rep.data["model"] = cfg.as_dict()

@@ -6,8 +6,9 @@
 #
 # On the GPU machine the optree wheel is carried in .whl/ (the image has none). Each stage runs in its own process
 # under its own `timeout`; a failure or a timeout is recorded and the next stage still runs; stages are skipped
-# once the wall budget (CUDA_RUN_BUDGET seconds, default 420) is spent. $OUT gets at most 7 files (summary.md
-# first); every log and file of every stage is in $OUT/all.tar.gz.
+# once the wall budget (CUDA_RUN_BUDGET seconds, default 420) is spent; the summary and the archive take seconds
+# after it. $OUT gets at most 8 files (summary.md first; the profiler traces of three steps); every log and file of
+# every stage is in $OUT/all.tar.gz.
 DRY=0; [ "${1:-}" = "--cpu-dry-run" ] && DRY=1
 if [ $DRY = 0 ]; then  # (the dry run uses this machine's optree: the carried wheel is for the device's Python)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -66,6 +67,7 @@ BENCH="$PY benchmarks/bench.py --no-cpu --no-fake-cpu --no-write-results"
 [ $DRY = 1 ] && BENCH="$BENCH --cuda-dry-run"
 
 # a) correctness: the environment, tests/test_cuda.py, parity / hooks / offload against FSDP2 and the unsharded model
+[ $DRY = 0 ] && stage nvidia_smi 10 nvidia-smi
 stage env 25 $CHECK env --out "$W/check"
 stage pytest_cuda 60 $PY -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py --junitxml="$W/pytest_cuda.xml" -rA
 stage parity 60 $CHECK parity --out "$W/check"
