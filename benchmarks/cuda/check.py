@@ -255,7 +255,7 @@ def _parity_precision(rep, cfg, mesh, dev, precision):
         rep.check("fp32 FSDP2 vs unsharded (W=1) gradients close", gd <= 1e-5, f"max diff {gd:.3g}, "
                   f"bit-identical: {d['fsdp2_vs_unsharded']['grads_equal']}")
     else:
-        rep.check("bf16 FSDP2 vs fp32 unsharded: informational", True, f"grad max diff {gd:.3g}, params {pd:.3g}")
+        rep.info("bf16 FSDP2 vs fp32 unsharded", f"grad max diff {gd:.3g}, params after 3 steps {pd:.3g}")
 
 
 def _hook_stream(rep, cfg, mesh, dev):

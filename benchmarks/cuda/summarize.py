@@ -22,7 +22,7 @@ MAX_FILE = 15_000_000
 
 def _junit(path: Path) -> tuple[str, list[str]]:
     if not path.exists():
-        return "no JUnit file (the stage did not get to write it)", []
+        return "no JUnit file (the stage did not run, was skipped or was killed: see Stages)", []
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
@@ -73,7 +73,7 @@ def main(work: Path, out: Path) -> int:
         head, bad = _junit(work / xml)
         s += [f"## {label}", "", head] + [f"- {b}" for b in bad] + [""]
     bench = []
-    for d in sorted(work.glob("bench_*")):
+    for d in sorted(p for p in work.glob("bench_*") if p.is_dir()):
         md = d / "results.md"
         if not md.exists():
             s += [f"## {d.name}: no results.md (see its log)", ""]
