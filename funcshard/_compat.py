@@ -107,6 +107,16 @@ StridedShard = require("torch.distributed.tensor.placement_types._StridedShard")
 # ~1.5 us of the ~2.3 per gradient. Call it directly where it is; otherwise the constructor.
 new_dtensor = DTensor.__new__ if getattr(torch.Tensor, "_dtensor__new__", None) is DTensor.__new__ else (
     lambda cls, *args, **kwargs: cls(*args, **kwargs))
+_DTensorSpec = require("torch.distributed.tensor._dtensor_spec.DTensorSpec")
+_TensorMeta = require("torch.distributed.tensor._dtensor_spec.TensorMeta")
+
+
+def dtensor_over(local: torch.Tensor, mesh, placements, shape: torch.Size, stride: tuple) -> DTensor:
+    """A DTensor over ``local`` as it is: no copy and no move. ``DTensor.from_local`` moves a local tensor to the
+    mesh's device type, so a CPU-offloaded shard under a CUDA mesh would become a CUDA copy the optimizer then updates
+    instead of the shard (FSDP2 builds its offloaded parameters the same way: the spec, then the constructor)."""
+    spec = _DTensorSpec(mesh, tuple(placements), tensor_meta=_TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return new_dtensor(DTensor, local, spec, requires_grad=False)
 
 # ---- torch's composable-API registry (torch.distributed._composable.contract) ----------------------------------
 # Each of torch's composable APIs (replicate, fully_shard, checkpoint) records its name in a registry on the module it
@@ -224,7 +234,7 @@ __all__ = [
     "foreach_div", "foreach_div_", "foreach_lerp", "foreach_lerp_", "foreach_mul", "foreach_mul_", "foreach_norm",
     "foreach_sqrt",
     "torch_tree_leaves", "torch_tree_map_only",
-    "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor",
+    "param_slots", "buffer_slots", "post_accumulate_grad_hooks", "dtensor_local", "dtensor_spec", "root_mesh", "new_dtensor", "dtensor_over",
     "concatenate_meshes", "StridedShard",
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
     "FakeTensor",

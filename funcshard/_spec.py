@@ -18,10 +18,21 @@ from collections.abc import Sequence
 
 import torch
 
-from funcshard._compat import get_interpreter_stack
+from funcshard._compat import dtensor_over, get_interpreter_stack
 
 __all__ = ["Box", "FlatSlot", "ModelSharding", "ShardSpec", "ShardingError", "dim_range", "make_spec", "reduced",
            "takes_grad"]
+
+
+def _dtensor(local: torch.Tensor, mesh, placements, shape: torch.Size, stride: tuple):
+    """``DTensor.from_local`` without its check, and without its move where ``local`` is not on the mesh's device
+    type (a CPU-offloaded shard under a CUDA mesh stays the shard: ``_compat.dtensor_over``)."""
+    from torch.distributed.tensor import DTensor
+
+    if local.is_meta or local.device.type == mesh.device_type:
+        with torch.no_grad():
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return dtensor_over(local, mesh, placements, shape, stride)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,22 +320,16 @@ class ShardSpec:
             mesh: the DeviceMesh of the DTensor.
             placements: its placements (default: ``Shard(dim)`` on the shard axis, ``Replicate()`` on the others).
         """
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Replicate
 
         if self.model is not None:  # over the data-parallel and the model's axes (``ModelSharding.sharded_*``)
             m = self.model  # (placements given: a carrier whose placements nobody reads, replicated on every axis)
-            with torch.no_grad():
-                return DTensor.from_local(local, m.sharded_mesh, m.sharded_placements if placements is None else
-                                          (Replicate(),) * m.sharded_mesh.ndim, run_check=False,
-                                          shape=torch.Size(m.shape), stride=m.stride)
+            return _dtensor(local, m.sharded_mesh, m.sharded_placements if placements is None else
+                            (Replicate(),) * m.sharded_mesh.ndim, torch.Size(m.shape), m.stride)
         if not self.shape:
-            with torch.no_grad():
-                return DTensor.from_local(local.view(()), mesh, placements or (Replicate(),) * mesh.ndim,
-                                          run_check=False)
-        shape, stride = torch.Size(self.shape), contiguous_stride(self.shape)
-        with torch.no_grad():
-            return DTensor.from_local(local, mesh, placements or shard_placements(mesh.ndim, self.axis, self.dim),
-                                      run_check=False, shape=shape, stride=stride)
+            return _dtensor(local.view(()), mesh, placements or (Replicate(),) * mesh.ndim, torch.Size(()), ())
+        return _dtensor(local, mesh, placements or shard_placements(mesh.ndim, self.axis, self.dim),
+                        torch.Size(self.shape), contiguous_stride(self.shape))
 
     @property
     def global_shape(self) -> tuple[int, ...]:

@@ -418,3 +418,25 @@ def test_cost_counts_the_offload_copies_the_runtime_makes():
     kept = out["all_kept_optim"][0]
     assert sum(c for (k, w, _), c in kept.items() if w == "parameters") == 4, kept  # each group gathered once
     assert sum(c for (k, w, _), c in kept.items() if w == "optimizer state") == 8, kept  # 4 groups, in and out
+
+
+def test_offloaded_parameters_stay_the_host_shards_under_an_accelerator_mesh(fake_mesh2, pins, monkeypatch):
+    """CPU offload under a CUDA mesh (here a fake-PG mesh of device type "cuda"; the runtime's device faked too): each
+    module parameter is a DTensor over the host shard itself, as FSDP2's. ``DTensor.from_local`` would have moved it to
+    the mesh's device: a CUDA copy the optimizer updates instead of the shard, whose gradient (reduced to the host)
+    then cannot be assigned (found on an H200: "attempting to assign a gradient with device type 'cpu' to a tensor
+    with device type 'cuda'")."""
+    import torch.distributed.fsdp as _  # noqa: F401  (torch's DTensor dispatch registered, as in a job)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import funcshard.fsdp._api as api
+
+    cuda_mesh = DeviceMesh("cuda", torch.arange(2))
+    monkeypatch.setattr(api, "device_of", lambda mesh, name: torch.device("cuda", 0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))  # (no buffers: those go to the device)
+    funcshard.fully_shard(model, mesh=cuda_mesh, offload_policy=funcshard.CPUOffloadPolicy())
+    params = list(model.parameters())
+    assert params and all(p.device.type == "cpu" and p.to_local().device.type == "cpu" for p in params)
+    assert all(p.device_mesh is cuda_mesh for p in params)
+    assert _ptrs(p.to_local() for p in params) == _ptrs(pins)  # the pinned host shards themselves, no copies
