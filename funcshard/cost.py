@@ -476,9 +476,10 @@ class _Replay:
 
     def kept(self, name: str, k: int) -> int:
         """The bytes a rank keeps of the group after forward, resharded to ``k`` ranks: a ``k``-th of its forward
-        all-gather's (the schedule's first all-gather of it), the backward all-gather's input over ``k`` ranks."""
-        return sum(c.nbytes for c in next(op.collectives for op in self.step.ops
-                                          if op.kind == ALL_GATHER and op.group == name)) // k
+        all-gather's (the schedule's first all-gather of it; none for a group without parameters), the backward
+        all-gather's input over ``k`` ranks."""
+        return sum(c.nbytes for c in next((op.collectives for op in self.step.ops
+                                           if op.kind == ALL_GATHER and op.group == name), ())) // k
 
     def reduce_scatter(self, name: str) -> _Reduce | None:
         """``ReduceQueue.issue``: the copy-in (the group's gradients and the input, both live), then the

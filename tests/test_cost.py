@@ -383,6 +383,28 @@ def _mesh2d_issued_vs_predicted(shape, rsf, layout):
     return issued, predicted, cost.counts(), kept, post, life.events, replayed
 
 
+def test_an_int_reshard_with_a_root_without_parameters(mesh8):
+    """Every group kept as a 2-rank shard after forward, nested groups and a root without parameters (which the
+    replay once looked up an all-gather for): what each rank keeps is the backward all-gathers' inputs."""
+    from models import Block
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(6, 6), Block(6))
+            self.b = Block(6)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    plan = funcshard.plan(Nested(), mesh8, groups=(Block, nn.Sequential), reshard_after_forward=2)
+    cost = C.estimate(plan, torch.randn(2, 6))
+    kept = max(p.bytes["sharded_params"] for p in cost.points) - cost.points[0].bytes["sharded_params"]
+    post = sum(c.numel * c.dtype.itemsize for op in schedule(plan).ops if op.kind == "all-gather"
+               for c in op.collectives if c.world == 2)
+    assert kept == post > 0
+
+
 @pytest.mark.parametrize("shape,rsf,layout", [((2, 2), None, "per_param"), ((1, 4), 2, "flat")])
 def test_hsdp_and_int_reshard_collectives_are_the_issued_ones(shape, rsf, layout):
     """Each collective in issue order, with the size of its process group: the all-reduce of a reduce-scatter's
