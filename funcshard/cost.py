@@ -495,11 +495,10 @@ class _Replay:
             self.rs = _Reduce(self, name, 0, sum(c.nbytes for c in reduces), self.t, reduces)
             self.at(f"reduce-scatter {label(name)} (copy-in)")
             return self.rs
-        self.rs = _Reduce(self, name, sum(c.nbytes for c in scatters), 0, 0.0, ())
-        self.at(f"reduce-scatter {label(name)} (copy-in)")
+        self.rs = _Reduce(self, name, sum(c.nbytes for c in scatters), 0, 0.0, reduces)
+        self.at(f"reduce-scatter {label(name)} (copy-in)")  # (the output is allocated after the copy-in)
         self.rs.out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
         self.rs.end = self.issue(scatters)
-        self.rs.reduces, self.rs.replicate = reduces, reduces or None
         return self.rs
 
     # the traced marks
