@@ -365,7 +365,7 @@ class _Reduce:
         if self.reduces:
             self.inp = 0
             r.wait_until(r.issue(self.reduces), f"all-reduce {label(self.name)}")
-        r.rs = None
+        r.reducing.remove(self)
         r.grad_shards += self.out
 
 
@@ -388,7 +388,7 @@ class _Replay:
         self.ag_held: dict[str, int] = {}  # all-gather buffers in flight (per-parameter layout)
         self.ag_end: dict[str, float] = {}
         self.unsharded: dict[str, int] = {}
-        self.rs: _Reduce | None = None  # the reduce-scatter in flight (until its finish)
+        self.reducing: list[_Reduce] = []  # the reduce-scatters in flight (each until its finish)
         # gloo (CPU) reduce-scatters by an all-reduce of a copy of the input, split in its wait: one more
         # input-sized buffer there (tests/test_cost.py's bf16 variants peak there); NCCL's works in place
         self.rs_copy = plan.mesh.device_type == "cpu"
@@ -407,12 +407,11 @@ class _Replay:
 
     # memory
     def at(self, what: str, extra: dict[str, int] | None = None) -> None:
-        rs = self.rs
         b = {"sharded_params": self.sharded + sum(gb.post or 0 for gb in self.gb.values()),
              "unsharded_params": sum(self.unsharded.values()),
              "gradients": self.grads + self.grad_shards,
              "optimizer_state": self.update.state_bytes if self.update else 0,
-             "comm_buffers": sum(self.ag_held.values()) + (rs.inp + rs.out if rs else 0),
+             "comm_buffers": sum(self.ag_held.values()) + sum(rs.inp + rs.out for rs in self.reducing),
              "activations": self.act}
         for k, v in (extra or {}).items():
             b[k] += v
@@ -492,14 +491,16 @@ class _Replay:
         scatters = [c for c in op.collectives if c.kind == REDUCE_SCATTER]
         reduces = tuple(c for c in op.collectives if c.kind == ALL_REDUCE)
         if not scatters:  # (a shard axis of one rank: the input is the output, all-reduced over the replicas)
-            self.rs = _Reduce(self, name, 0, sum(c.nbytes for c in reduces), self.t, reduces)
+            rs = _Reduce(self, name, 0, sum(c.nbytes for c in reduces), self.t, reduces)
+            self.reducing.append(rs)
             self.at(f"reduce-scatter {label(name)} (copy-in)")
-            return self.rs
-        self.rs = _Reduce(self, name, sum(c.nbytes for c in scatters), 0, 0.0, reduces)
+            return rs
+        rs = _Reduce(self, name, sum(c.nbytes for c in scatters), 0, 0.0, reduces)
+        self.reducing.append(rs)
         self.at(f"reduce-scatter {label(name)} (copy-in)")  # (the output is allocated after the copy-in)
-        self.rs.out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
-        self.rs.end = self.issue(scatters)
-        return self.rs
+        rs.out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
+        rs.end = self.issue(scatters)
+        return rs
 
     # the traced marks
     def use(self, name: str, backward: bool) -> None:
