@@ -11,11 +11,12 @@ loads write straight into the shard.
 The foot-gun guard: a plain ``dict`` of shards handed to ``dcp.save``/``dcp.load`` is, to DCP, a dict of replicas
 (every rank the same key, so one rank's tensor is kept for each key: silent corruption). ``mark`` records which
 tensors are shards of a multi-rank plan (``shard``, ``funcshard.optim`` and ``funcshard.checkpoint.load`` mark
-what they return, and the optimizers pass the mark on to the moments they make) by giving each such tensor its own
-answer to DCP's protocol names (instance attributes; nothing is set on ``torch.Tensor``, so no other tensor
-changes; the answer is the mark: ``spec_of`` reads it): a :class:`_Refusal`, which raises a ``ShardingError``
-pointing to ``funcshard.checkpoint``. The optimizer states (tuples, which DCP pickles whole without looking inside)
-answer the same way when they hold a marked shard (:func:`refuse_container`). A marked shard pickles
+what they return; the optimizers pass the mark on to the moments they make, ``_spec.shard_like``) by giving each such
+tensor its own answer to DCP's protocol names (instance attributes; nothing is set on ``torch.Tensor``, so no
+other tensor changes; the answer is the mark, ``_spec.label_shard``'s label: ``spec_of`` reads it): a
+:class:`_Refusal`, which raises a ``ShardingError`` pointing to ``funcshard.checkpoint``. The optimizer states (tuples,
+which DCP pickles whole without looking inside) answer the same way when they hold a marked shard
+(:func:`refuse_container`). A marked shard pickles
 (``torch.save``) as a plain tensor: its instance attributes (the answers, and any of the user's) are left out of its
 pickled state.
 
@@ -33,7 +34,7 @@ import torch
 
 from funcshard._compat import (DCP_CHUNK_LIST, DCP_TENSOR_SHARD, DCP_WRITE_ITEMS, dcp_bytes_write_items,
                               dtensor_local)
-from funcshard._spec import ShardingError, ShardSpec
+from funcshard._spec import ShardingError, ShardSpec, label_shard, shard_label
 from funcshard._tree import tree_leaves
 
 
@@ -59,6 +60,14 @@ class _Refusal:
     def __call__(self, *args, **kwargs):
         raise self.error()
 
+    def install(self, t: torch.Tensor) -> None:  # (_spec.label_shard: the answers to DCP's protocol names)
+        own = t.__dict__
+        own[DCP_WRITE_ITEMS] = own[DCP_CHUNK_LIST] = self
+        own["__getstate__"] = _no_pickled_state
+
+    def reshaped(self, shape: tuple[int, ...]) -> _Refusal:
+        return _Refusal(self.spec, shape)
+
     def __deepcopy__(self, memo):  # a deep copy of a shard is a shard of the same spec
         return self
 
@@ -67,40 +76,18 @@ def _no_pickled_state():  # a marked shard's ``__getstate__``: pickle it as the 
     return None
 
 
-_active = False  # whether anything was ever marked (``inherit`` does nothing until then)
-
-
-def _set(t: torch.Tensor, refusal: _Refusal) -> None:
-    own = t.__dict__
-    own[DCP_WRITE_ITEMS] = own[DCP_CHUNK_LIST] = refusal
-    own["__getstate__"] = _no_pickled_state
-
-
 def _refusal_of(t) -> _Refusal | None:
-    if type(t) is not torch.Tensor:
-        return None
-    r = t.__dict__.get(DCP_WRITE_ITEMS)
+    r = shard_label(t)
     return r if type(r) is _Refusal else None
 
 
 def mark(specs: Iterable[ShardSpec], tensors: Iterable[torch.Tensor]) -> None:
     """Record ``tensors`` as the local shards of ``specs`` (only for multi-rank plans: one rank's shards are the
-    whole tensors, which plain DCP handles)."""
-    global _active
+    whole tensors, which plain DCP handles). What is derived from them as optimizer state carries the mark on
+    (``_spec.shard_like``)."""
     for spec, t in zip(specs, tensors):
         if spec.world > 1 and type(t) is torch.Tensor:
-            _active = True
-            _set(t, _Refusal(spec, tuple(t.shape)))
-
-
-def inherit(sources: Iterable[torch.Tensor], results: Iterable[torch.Tensor]) -> None:
-    """Mark each result like its source (an optimizer's new moments, new parameters); a no-op when nothing is marked."""
-    if not _active:
-        return
-    for s, r in zip(sources, results):
-        refusal = _refusal_of(s)
-        if refusal is not None and r is not s and type(r) is torch.Tensor:
-            _set(r, refusal if refusal.shape == tuple(r.shape) else _Refusal(refusal.spec, tuple(r.shape)))
+            label_shard(t, _Refusal(spec, tuple(t.shape)))
 
 
 def spec_of(t: torch.Tensor) -> ShardSpec | None:

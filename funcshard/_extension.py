@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from funcshard._collectives import free_buffers, group_label, unwrapped, wait_work
+from funcshard._collectives import group_label, unwrapped
 from funcshard._comm import _PLAIN, CommHook, check_extension, patched
-from funcshard._pipeline import issue_all_gather
+from funcshard._pipeline import PendingGather, issue_all_gather
 from funcshard._policy import MixedPrecisionPolicy
 from funcshard._spec import ShardingError, contiguous_stride
 
@@ -108,24 +108,30 @@ class Extension:
             numels = [x.numel() for x in flat]
             n = sum(numels)
             out, work, owned = issue_all_gather(flat, n, dtype, world, rank, group, comm, self.group.name, valid=n)
-        return PendingExtension(self, out, work, where, numels, [x.dtype for x in inputs], sizes, metas, posts,
-                                owned)
+        gather = PendingGather([out], [work], [False], [numels], where, owned)
+        return PendingExtension(self, gather, numels, [x.dtype for x in inputs], sizes, metas, posts)
 
 
 class PendingExtension:
-    """An extension group's all-gather in flight; ``finish(bases)`` waits, splits the output per input, runs each
-    extended parameter's ``fsdp_post_all_gather`` and copies the plain ones out into their buffers."""
+    """An extension group's all-gather in flight (the pipeline's ``PendingGather``, one bucket of every input);
+    ``finish(bases)`` waits, takes the output's columns per input, runs each extended parameter's
+    ``fsdp_post_all_gather`` and copies the plain ones out into their buffers."""
 
-    def __init__(self, ext: Extension, out, work, where, numels, dtypes, sizes, metas, posts, comm_owned: bool):
-        self.ext, self.out, self.work, self.where, self.posts = ext, out, work, where, posts
-        self.numels, self.dtypes, self.sizes, self.metas, self.comm_owned = numels, dtypes, sizes, metas, comm_owned
+    in_place = False  # (as PendingGather's: the output is never the unsharded buffers)
+
+    def __init__(self, ext: Extension, gather: PendingGather, numels, dtypes, sizes, metas, posts):
+        self.ext, self.gather, self.posts = ext, gather, posts
+        self.numels, self.dtypes, self.sizes, self.metas = numels, dtypes, sizes, metas
+
+    @property
+    def outs(self) -> list | None:  # (observers read a pending gather's buffers: funcshard.trace)
+        return self.gather.outs
 
     def finish(self, bases: list) -> None:
         ext, lay = self.ext, self.ext.layout
-        wait_work(self.work, self.where)
         world = lay.world
         with torch.no_grad():
-            chunks = iter(self.out.view(world, -1).split(self.numels, dim=1))
+            chunks = iter(self.gather.chunks(0, world, self.numels))
             dts = iter(self.dtypes)
             for i, (m, sizes) in enumerate(zip(ext.marks, self.sizes)):
                 outs = []
@@ -149,9 +155,7 @@ class PendingExtension:
                     for kept, new in zip(ext.outs[i], outs):
                         kept.copy_(new)
                     self._post(i, ext.outs[i], dtype, out=bases[i])
-        if not self.comm_owned:
-            free_buffers([self.out])
-        self.out = self.work = None
+        self.gather.release()
 
     def _post(self, i: int, outs, dtype, out=None):
         ext = self.ext

@@ -163,7 +163,7 @@ def drain() -> None:
 
 
 class HostReduce:
-    """A group's reduce-scatter (``_collectives.PendingReduce``) whose shards are copied to the host when taken
+    """A group's reduce-scatter (``_pipeline.PendingReduce``) whose shards are copied to the host when taken
     (``start_to_host``, after the current stream, which waited for the reduce-scatter). Pinned, with ``defer``
     (``fully_shard``'s sink: nothing reads them inside backward unless it accumulates, see ``GradSink.deliver``), the
     CPU waits for the copies at the end of backward (``drain``, FSDP2's ``finalize_backward``), else at once."""

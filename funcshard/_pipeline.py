@@ -1,5 +1,6 @@
-"""A group's bucketed collectives: one flat bucket per dtype (``Buckets``), the all-gather pipeline (copy-in,
-issue, copy-out: ``start_gather`` / ``PendingGather``, and over a block of ``k`` ranks ``start_regather``), and the
+"""A group's bucketed collectives: one flat bucket per dtype (``Buckets``), the one all-gather pipeline (copy-in and
+issue: ``issue_all_gather``; wait and copy-out: ``PendingGather``), fed a group's shards (``start_gather``), its
+post-forward shards over a block of ``k`` ranks (``start_regather``) or the extension's inputs, and the
 gradient reduce-scatter (``start_reduce_scatter`` / ``PendingReduce``: copy-in, issue, the HSDP all-reduce, the one
 divide, the cast back). Every wait is ``_collectives.wait_work``; a communication buffer is freed only after its work
 is waited.
@@ -56,6 +57,9 @@ class Buckets:
         self.buckets = tuple((dt, tuple(ix)) for dt, ix in by_dtype.items())  # keyed by compute dtype
         self.numels = {dt: [self.specs[i].local_numel for i in ix] for dt, ix in self.buckets}
         self.dim0 = {dt: not self.flat and all(self.specs[i].dim == 0 for i in ix) for dt, ix in self.buckets}
+        # per bucket, as PendingGather takes them: whether the copy-out is by rows, each input's elements per rank
+        self.gather_rows = [self.dim0[dt] for dt, _ in self.buckets]
+        self.gather_sizes = [self.numels[dt] for dt, _ in self.buckets]
         # elements per rank of each bucket's collective, and whether padding is among them (the schedule's sizes)
         sizes = bucket_sizes([self.specs[i] for _, ix in self.buckets for i in ix], param_dtype)
         self.chunk = {dt: n for dt, (n, _) in sizes.items()}
@@ -125,38 +129,53 @@ class Buckets:
 
 
 class PendingGather:
-    """All-gathers in flight for one group; ``finish(targets)`` waits and copies out into the padded tensors
-    (``Buckets.copy_targets``; allocated by the caller only then, so a prefetched group holds just its
-    all-gather buffer). In the flat layout the all-gather output is already the parameters: nothing to copy."""
+    """All-gathers in flight, one per bucket, from any of the pipeline's inputs (``issue_all_gather``): each output is
+    ``ranks`` rank-major slices, each slice the bucket's inputs one after the other. ``finish(targets)`` waits and
+    copies out: input ``i`` of a bucket, its ``(ranks, n_i)`` columns of the output, into ``targets[bucket][i]``,
+    a ``(ranks, ...)`` view of where it goes (``Buckets.copy_targets``, ``regather_targets``; allocated by the caller
+    only then, so a prefetched group holds just its all-gather buffer). ``in_place``: the outputs are the unsharded
+    buffers (the flat layout's: nothing to copy, nothing freed). ``chunks`` hands a bucket's columns over instead (the
+    extension's copy-out is its ``fsdp_post_all_gather``), ``release`` then frees."""
 
-    comm_owned = False  # the buffers are an FSDP2 comm's (its ``allocate``): dropped, never resized (it may reuse them)
+    def __init__(self, outs: list, works: list, rows: Sequence[bool], sizes: Sequence[Sequence[int] | None],
+                 where: Where | None = None, comm_owned: bool = False, in_place: bool = False):
+        self.outs, self.works, self.where = outs, works, where
+        self.rows = rows  # per bucket: its targets are (ranks, n_i) rows (one torch.split_with_sizes_copy)
+        self.sizes = sizes  # per bucket: each input's elements per rank (None: the targets' rows say)
+        self.comm_owned = comm_owned  # the outputs are an FSDP2 comm's (its ``allocate``): dropped, never resized
+        self.in_place = in_place  # the outputs are the unsharded buffers themselves (the flat layout's)
 
-    def __init__(self, layout: Buckets, outs, works, where: Where | None = None):
-        self.layout, self.outs, self.works, self.where = layout, outs, works, where
+    def chunks(self, k: int, ranks: int, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Wait for bucket ``k``'s all-gather over ``ranks`` ranks; its output as each input's ``(ranks, size)``
+        columns."""
+        wait_work(self.works[k], self.where)
+        return self.outs[k].view(ranks, -1).split(sizes, dim=1)
 
     def finish(self, targets: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
-        lay = self.layout
-        if lay.flat:
+        if self.in_place:
             for work in self.works:
                 wait_work(work, self.where)
             self.outs = self.works = None
             return
         dsts, srcs = [], []
-        for (dt, ix), out, work, dst in zip(lay.buckets, self.outs, self.works, targets):
-            wait_work(work, self.where)
-            if lay.dim0[dt]:  # every shard along dim 0: a padded tensor is (world, local numel) rank-major
-                with no_grad():
-                    torch.split_with_sizes_copy(out.view(lay.world, -1), lay.numels[dt], dim=1, out=dst)
-                continue
-            chunks = out.view(lay.world, -1).split(lay.numels[dt], dim=1)
-            for i, c, d in zip(ix, chunks, dst):
-                dsts.append(d)
-                srcs.append(c.view(lay.world, *lay.specs[i].local_shape))
-        if dsts:
-            with no_grad():
+        with no_grad():
+            for out, work, dst, rows, sizes in zip(self.outs, self.works, targets, self.rows, self.sizes):
+                wait_work(work, self.where)
+                view = out.view(dst[0].shape[0], -1)  # (ranks, their slice)
+                if rows:  # every input's target is (ranks, n_i): one op
+                    torch.split_with_sizes_copy(view, sizes or [d.shape[1] for d in dst], dim=1, out=dst)
+                    continue
+                for c, d in zip(view.split(sizes, dim=1), dst):
+                    dsts.append(d)
+                    srcs.append(c.view(d.shape))
+            if dsts:
                 foreach_copy_(dsts, srcs)
-        if not self.comm_owned:
-            free_buffers(self.outs)  # now, not when the process group's work objects let go of them
+        self.release()
+
+    def release(self) -> None:
+        """Free the all-gather outputs (now, not when the process group's work objects let go of them)."""
+        if not self.comm_owned and not self.in_place:
+            free_buffers(self.outs)
         self.outs = self.works = None
 
 
@@ -164,10 +183,10 @@ def start_gather(
     layout: Buckets, flat_shards: Sequence[Sequence[torch.Tensor]], group, rank: int,
     outs: Sequence[torch.Tensor] | None = None, where: Where | None = None, comm: CommHook | None = None,
 ) -> PendingGather:
-    """Copy the group's local shards (``Buckets.flat_shards``) into one flat buffer per dtype (one copy each)
-    and issue the all-gathers (async). ``outs``: the flat layout's unsharded buffers to gather into. ``where``: what
-    ``finish`` names and bounds its waits by (``wait_work``). ``comm``: the group's hook (``_comm``; its FSDP2 comm
-    allocates the output)."""
+    """The pipeline fed a group's local shards (``Buckets.flat_shards``): one flat buffer per dtype (one copy each),
+    the all-gathers issued (async). ``outs``: the flat layout's unsharded buffers to gather into (in place). ``where``:
+    what ``finish`` names and bounds its waits by (``wait_work``). ``comm``: the group's hook (``_comm``; its FSDP2
+    comm allocates the output)."""
     works, bufs, owned = [], [], False
     name = where and where.group
     with no_grad():
@@ -177,9 +196,7 @@ def start_gather(
                                                 valid=sum(layout.numels[dt]))
             bufs.append(out)
             works.append(work)
-    pending = PendingGather(layout, bufs, works, where)
-    pending.comm_owned = owned
-    return pending
+    return PendingGather(bufs, works, layout.gather_rows, layout.gather_sizes, where, owned, outs is not None)
 
 
 def issue_all_gather(pieces: Sequence[torch.Tensor], n: int, dtype: torch.dtype, world: int, rank: int, group,
@@ -229,40 +246,23 @@ def post_forward_shards(layout: Buckets, bases: Sequence[torch.Tensor], rank: in
         return [torch.cat([t.view(k, -1)[rank] for t in ts]) for ts in bucket_buffers(layout, bases)]
 
 
-class PendingRegather:
-    """All-gathers in flight over a block of ``k`` ranks, from the post-forward shards; ``finish(bases)`` waits and
-    copies out into the unsharded buffers (each the ``k`` slices ``post_forward_shards`` cut, rank-major)."""
-
-    comm_owned = False  # (as PendingGather's)
-
-    def __init__(self, layout: Buckets, k: int, outs, works, where: Where | None = None):
-        self.layout, self.k, self.outs, self.works, self.where = layout, k, outs, works, where
-
-    def finish(self, bases: Sequence[torch.Tensor]) -> None:
-        k = self.k
-        for ts, out, work in zip(bucket_buffers(self.layout, bases), self.outs, self.works):
-            wait_work(work, self.where)
-            with no_grad():
-                torch.split_with_sizes_copy(out.view(k, -1), [t.numel() // k for t in ts], dim=1,
-                                            out=[t.view(k, -1) for t in ts])
-        if not self.comm_owned:
-            free_buffers(self.outs)
-        self.outs = self.works = None
+def regather_targets(layout: Buckets, bases: Sequence[torch.Tensor], k: int) -> list[list[torch.Tensor]]:
+    """Per bucket, where a gather from the post-forward shards copies out: each unsharded buffer as the ``k`` slices
+    ``post_forward_shards`` cut, rank-major ``(k, n)``."""
+    return [[t.view(k, -1) for t in ts] for ts in bucket_buffers(layout, bases)]
 
 
 def start_regather(layout: Buckets, post: Sequence[torch.Tensor], group, rank: int, k: int,
-                   where: Where | None = None, comm: CommHook | None = None) -> PendingRegather:
-    """Issue the all-gathers (async) of a group's post-forward shards over its block of ``k`` ranks (with the group's
-    all-gather hook, as FSDP2 runs its custom all-gather over the post-forward group too)."""
+                   where: Where | None = None, comm: CommHook | None = None) -> PendingGather:
+    """The pipeline fed a group's post-forward shards, over its block of ``k`` ranks (with the group's all-gather
+    hook, as FSDP2 runs its custom all-gather over the post-forward group too); ``finish(regather_targets(...))``."""
     outs, works, owned = [], [], False
     with no_grad():
         for p in post:
             out, work, owned = issue_all_gather([p], p.numel(), p.dtype, k, rank, group, comm, where and where.group)
             outs.append(out)
             works.append(work)
-    pending = PendingRegather(layout, k, outs, works, where)
-    pending.comm_owned = owned
-    return pending
+    return PendingGather(outs, works, [True] * len(outs), [None] * len(outs), where, owned)
 
 
 def gather_tangents(layout: Buckets, tangents: Sequence[torch.Tensor | None], group, rank: int,

@@ -1,7 +1,7 @@
 """One training step's collectives as data: their order, and the elements and bytes each one moves.
 
 The only place that computes them. ``Plan.collective_order()`` prints :meth:`Schedule.lines`, ``Plan.__str__``
-takes its group sizes from here, and the runtime's bucket layouts (``_collectives.Buckets``) size their
+takes its group sizes from here, and the runtime's bucket layouts (``_pipeline.Buckets``) size their
 all-gathers and reduce-scatters with :func:`bucket_sizes`, the function the schedule sizes them with.
 
 The order is the one the runtime issues when the groups' modules run in plan order, each called inside its parent

@@ -490,3 +490,37 @@ def make_spec(fqn: str, param: torch.Tensor, dim: int, *, axis: int, world: int,
     return ShardSpec(fqn=fqn, shape=tuple(param.shape), dtype=param.dtype, dim=dim % (hi + 1), axis=axis,
                      world=world, requires_grad=param.requires_grad if requires_grad is None else requires_grad,
                      aliases=aliases or (fqn,), model=model)
+
+
+# ---- which tensors are local shards, and of what ----------------------------------------------------------------
+
+_LABEL = "_funcshard_shard"  # a labelled tensor's instance attribute (nothing is set on torch.Tensor)
+_labelled = False  # whether any tensor was ever labelled (shard_like does nothing until then)
+
+
+def label_shard(t: torch.Tensor, label) -> None:
+    """Record ``t`` as a local shard of ``label.spec``'s parameter. ``label``: what the record carries, its ``spec``
+    and ``shape`` (``t``'s), ``reshaped(shape)`` (the label of a tensor of another shape of the same parameter) and
+    ``install(t)`` (what else it puts on the tensor: ``_checkpoint_dcp``'s answers to plain DCP)."""
+    global _labelled
+    _labelled = True
+    t.__dict__[_LABEL] = label
+    label.install(t)
+
+
+def shard_label(t):
+    """The label ``label_shard`` recorded on ``t`` (a plain tensor), or None."""
+    return t.__dict__.get(_LABEL) if type(t) is torch.Tensor else None
+
+
+def shard_like(sources, results) -> None:
+    """Each result is a local shard of the same parameter as its source: the optimizer state sharded like the
+    parameters (an optimizer's new moments and new parameters are labelled like the ones they replace). A no-op until
+    something is labelled."""
+    if not _labelled:
+        return
+    for s, r in zip(sources, results):
+        label = shard_label(s)
+        if label is not None and r is not s and type(r) is torch.Tensor:
+            shape = tuple(r.shape)
+            label_shard(r, label if label.shape == shape else label.reshaped(shape))

@@ -347,28 +347,54 @@ class _Ops:
                            f"report it with the plan printed)")
 
 
+class _Reduce:
+    """The replay's reduce-scatter in flight (``PendingReduce``'s part in ``ReduceQueue``): ``finish`` waits for it,
+    frees its input and, HSDP, all-reduces its output over the replicate axis (issued then) and waits for that."""
+
+    __slots__ = ("replay", "name", "inp", "out", "end", "reduces", "replicate")
+
+    def __init__(self, replay: _Replay, name: str, inp: int, out: int, end: float, reduces: tuple[Collective, ...]):
+        self.replay, self.name, self.inp, self.out, self.end, self.reduces = replay, name, inp, out, end, reduces
+        self.replicate = reduces or None  # (ReduceQueue.before_gather: an all-reduce follows, HSDP)
+
+    def finish(self) -> None:
+        r = self.replay
+        r.wait_until(self.end, f"reduce-scatter {label(self.name)}")
+        if r.rs_copy and self.inp:
+            r.at(f"reduce-scatter {label(self.name)} wait (gloo's copy of its input)", {"comm_buffers": self.inp})
+        if self.reduces:
+            self.inp = 0
+            r.wait_until(r.issue(self.reduces), f"all-reduce {label(self.name)}")
+        r.reducing.remove(self)
+        r.grad_shards += self.out
+
+
 class _Replay:
-    """The runtime's state along the traced marks: what each group holds, the reduce-scatter in flight, time."""
+    """The runtime's lifecycle along the traced marks (``_runtime.replay.ReplayStep``: the runtime's group runs,
+    prefetcher, frozen release and reduce queue over stand-in buffers), with this as their ledger: what each group
+    holds, the reduce-scatter in flight, time, and the schedule's ops each event takes."""
 
     def __init__(self, plan: Plan, prof: StepProfile, update: UpdateProfile | None, hw: Hardware | None):
+        from funcshard._runtime.replay import ReplayStep  # (the runtime's modules import torch._dynamo: on use)
+
         self.plan, self.prof, self.update, self.hw = plan, prof, update, hw
         self.step = schedule(plan)
         self.ops = _Ops(self.step.ops)
         self.flat = plan.layout == "flat"
         self.empty = {g.name for g in plan.groups if not g.params}
         self.sharded = sum(s.local_numel * s.dtype.itemsize for s in plan.specs.values())
-        self.state = {g.name: Status.SHARDED for g in plan.groups}  # (the runtime's GroupBuffers.status)
+        self.runtime = ReplayStep(plan, self, prof.frozen, prof.trainable)
+        self.gb = self.runtime.groups  # the groups' stand-ins: status (Status), the bytes kept after forward
         self.ag_held: dict[str, int] = {}  # all-gather buffers in flight (per-parameter layout)
         self.ag_end: dict[str, float] = {}
         self.unsharded: dict[str, int] = {}
-        # the reduce-scatter in flight: (group, input bytes, output bytes, end time, its all-reduces (HSDP))
-        self.rs: tuple[str, int, int, float, tuple[Collective, ...]] | None = None
+        self.reducing: list[_Reduce] = []  # the reduce-scatters in flight (each until its finish)
         # gloo (CPU) reduce-scatters by an all-reduce of a copy of the input, split in its wait: one more
         # input-sized buffer there (tests/test_cost.py's bf16 variants peak there); NCCL's works in place
         self.rs_copy = plan.mesh.device_type == "cpu"
-        self.post: dict[str, int] = {}  # groups kept as a k-th after forward (int reshard_after_forward): bytes
-        self.post_done: set[str] = set()  # groups whose post-backward ran
-        self.inputs_done: set[str] = set()  # frozen groups whose forward inputs' gradients are complete
+        self.using: str | None = None  # the group whose use (or pre-backward) issues the all-gathers now
+        self.used: set[str] = set()
+        self.events: list[tuple[str, str]] = []  # the lifecycle, as the runtime's events name it (observe.emit)
         self.grad_shards = 0
         self.act = prof.input_bytes
         self.grads = 0
@@ -381,10 +407,11 @@ class _Replay:
 
     # memory
     def at(self, what: str, extra: dict[str, int] | None = None) -> None:
-        b = {"sharded_params": self.sharded + sum(self.post.values()), "unsharded_params": sum(self.unsharded.values()),
+        b = {"sharded_params": self.sharded + sum(gb.post or 0 for gb in self.gb.values()),
+             "unsharded_params": sum(self.unsharded.values()),
              "gradients": self.grads + self.grad_shards,
              "optimizer_state": self.update.state_bytes if self.update else 0,
-             "comm_buffers": sum(self.ag_held.values()) + (self.rs[1] + self.rs[2] if self.rs else 0),
+             "comm_buffers": sum(self.ag_held.values()) + sum(rs.inp + rs.out for rs in self.reducing),
              "activations": self.act}
         for k, v in (extra or {}).items():
             b[k] += v
@@ -414,152 +441,133 @@ class _Replay:
             self.intervals.append(Interval("comm", f"{c.kind} {label(c.group)}", start, self.chan))
         return self.chan
 
-    # the runtime's events
-    def gather(self, name: str, why: str) -> None:
-        """Issue the group's all-gather if it is sharded (``GroupBuffers.issue``)."""
-        if self.state[name] is not Status.SHARDED or name in self.empty:
-            return
-        if self.rs is not None and self.rs[4]:  # HSDP: the reduce-scatter in flight is taken first (before_gather)
-            self.finish_rs()
+    # the ledger of the runtime's stand-in buffers (_runtime.replay)
+    def all_gather(self, name: str, post: int | None) -> None:
+        """``GroupBuffers.issue``: the group's all-gather is issued."""
         op = self.ops.take(ALL_GATHER, name)
         nbytes = sum(c.nbytes for c in op.collectives)
-        if self.flat and name not in self.post:  # the all-gather writes into the parameters' own buffer
+        if self.flat and post is None:  # the all-gather writes into the parameters' own buffer
             self.unsharded[name] = nbytes
         else:  # (from a k-th kept after forward: into a buffer of its own, copied out, as per parameter)
             self.ag_held[name] = nbytes
         self.ag_end[name] = self.issue(op.collectives)
-        self.state[name] = Status.GATHERING
+        self.events.append(("all-gather issued", name))
+        backward = self.runtime.backward_started
+        why = (("before its backward" if backward else "on use") if name == self.using
+               else f"prefetch, while {label(self.using)} computes")
         self.at(f"all-gather {label(name)} ({why})")
 
-    def wait(self, name: str) -> None:
+    def copy_out(self, name: str) -> None:
         """``GroupBuffers.wait``: the copy-out into the unsharded buffers, then the all-gather buffer is freed."""
-        if self.state[name] is not Status.GATHERING:
-            return
         self.wait_until(self.ag_end.pop(name), f"all-gather {label(name)}")
         if name in self.ag_held:
             self.unsharded[name] = self.step.unsharded_nbytes(name)
             self.at(f"copy-out {label(name)}")
             del self.ag_held[name]
-        self.post.pop(name, None)  # (the k-th kept after forward was the all-gather's input)
-        self.state[name] = Status.GATHERED
 
-    def step_gathers(self, name: str) -> tuple[Collective, ...]:
-        """The group's forward all-gather's collectives (the schedule's first all-gather of it)."""
-        return next(op.collectives for op in self.step.ops if op.kind == ALL_GATHER and op.group == name)
-
-    def free(self, name: str) -> None:
+    def freed(self, name: str) -> None:
+        """``GroupBuffers.free``; in forward, the schedule's free (none for a group without parameters but the
+        root)."""
+        if not self.runtime.backward_started and (name == ROOT or name not in self.empty):
+            self.ops.take(FREE, name)
         self.unsharded.pop(name, None)
-        self.state[name] = Status.SHARDED
+        self.events.append(("freed", name))
 
-    def released(self, name: str) -> bool:
-        """Whether backward is done with the group (``FrozenRelease.release``): its post-backward ran (or it takes no
-        gradient), and, with frozen parameters, its forward inputs' gradients are complete (never, before the end of
-        backward, when they take none)."""
-        p = self.prof
-        if name not in p.frozen:
-            return True
-        return (name not in p.unwatched and (name not in p.watched or name in self.inputs_done)
-                and (name in self.post_done or name not in p.trainable))
+    def kept(self, name: str, k: int) -> int:
+        """The bytes a rank keeps of the group after forward, resharded to ``k`` ranks: a ``k``-th of its forward
+        all-gather's (the schedule's first all-gather of it; none for a group without parameters), the backward
+        all-gather's input over ``k`` ranks."""
+        return sum(c.nbytes for c in next((op.collectives for op in self.step.ops
+                                           if op.kind == ALL_GATHER and op.group == name), ())) // k
 
-    def use(self, name: str, backward: bool) -> None:
-        if self.hw and self.hw.group_overhead_s and name != ROOT:
-            self.run(self.hw.group_overhead_s, f"runtime {label(name)}")
-        if not backward or self.plan.group(name).unshard_in_backward:
-            self.gather(name, "before its backward" if backward else "on use")
-            self.wait(name)
-        for p in self.plan.prefetch_after(name, backward=backward):
-            if not backward or self.plan.group(p).unshard_in_backward:
-                self.gather(p, f"prefetch, while {label(name)} computes")
-
-    def finish_rs(self) -> None:
-        """``PendingReduce.finish``: wait for the reduce-scatter, free its input; HSDP: all-reduce its output over
-        the replicate axis (issued now) and wait for that too."""
-        if self.rs is not None:
-            name, inp, out, end, reduces = self.rs
-            self.wait_until(end, f"reduce-scatter {label(name)}")
-            if self.rs_copy and inp:
-                self.at(f"reduce-scatter {label(name)} wait (gloo's copy of its input)", {"comm_buffers": inp})
-            if reduces:
-                self.rs = (name, 0, out, end, ())
-                self.wait_until(self.issue(reduces), f"all-reduce {label(name)}")
-            self.rs = None
-            self.grad_shards += out
-
-    def reduce_scatter(self, name: str) -> None:
-        """``ReduceQueue.start``: free the group, take the reduce-scatter in flight, issue this one."""
+    def reduce_scatter(self, name: str) -> _Reduce | None:
+        """``ReduceQueue.issue``: the copy-in (the group's gradients and the input, both live), then the
+        reduce-scatter is issued."""
         g = self.plan.group(name)
         op = self.ops.take(REDUCE_SCATTER, name)
-        self.post_done.add(name)
-        if g.reshard_after_backward and self.released(name):
-            self.free(name)
-        self.finish_rs()
+        if not op.collectives:
+            return None
+        self.events.append(("reduce-scatter issued", name))
         scatters = [c for c in op.collectives if c.kind == REDUCE_SCATTER]
         reduces = tuple(c for c in op.collectives if c.kind == ALL_REDUCE)
-        if not op.collectives:
-            return
         if not scatters:  # (a shard axis of one rank: the input is the output, all-reduced over the replicas)
-            out = sum(c.nbytes for c in reduces)
-            self.rs = (name, 0, out, self.t, reduces)
+            rs = _Reduce(self, name, 0, sum(c.nbytes for c in reduces), self.t, reduces)
+            self.reducing.append(rs)
             self.at(f"reduce-scatter {label(name)} (copy-in)")
-            return
-        inp = sum(c.nbytes for c in scatters)
-        self.rs = (name, inp, 0, 0.0, ())
-        self.at(f"reduce-scatter {label(name)} (copy-in)")  # the group's gradients and the input, both live
-        out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
-        end = self.issue(scatters)
-        self.rs = (name, inp, out, end, reduces)
+            return rs
+        rs = _Reduce(self, name, sum(c.nbytes for c in scatters), 0, 0.0, reduces)
+        self.reducing.append(rs)
+        self.at(f"reduce-scatter {label(name)} (copy-in)")  # (the output is allocated after the copy-in)
+        rs.out = sum(c.numel * max(self.plan.specs[p].dtype.itemsize for p in g.params) for c in scatters)
+        rs.end = self.issue(scatters)
+        return rs
+
+    # the traced marks
+    def use(self, name: str, backward: bool) -> None:
+        """The group's use in forward, or its pre-backward: ``GroupRun.gather_and_prefetch``."""
+        if self.hw and self.hw.group_overhead_s and name != ROOT:
+            self.run(self.hw.group_overhead_s, f"runtime {label(name)}")
+        self.using = name
+        self.runtime.runs[name].gather_and_prefetch(backward=backward)
+
+    def freeing(self, name: str, fn: Callable[[], None], what: str) -> None:
+        """Run ``fn`` (the runtime's free rule of the moment); a point if it freed the group."""
+        was = self.gb[name].status
+        fn()
+        if was is not Status.SHARDED and self.gb[name].status is Status.SHARDED and (
+                name == ROOT or name not in self.empty):
+            self.at(what)
 
     def mark(self, i: int) -> None:
-        m, plan = self.prof.marks[i], self.plan
+        m, plan, rt = self.prof.marks[i], self.plan, self.runtime
         self.act, self.grads = self.prof.input_bytes + m.activations, m.grads
-        g = plan.group(m.group)
+        name = m.group
         if m.kind == FWD_START:
-            self.use(m.group, backward=False)
-        elif m.kind == FWD_END:
-            if g.reshard_after_forward and (g.is_root or m.group not in self.empty):  # (the schedule's rule)
-                self.ops.take(FREE, m.group)
-                self.wait(m.group)
-                k = plan.post_forward_world(g)
-                if k is not None:  # keep a k-th of the buffers (the backward all-gather's input over k ranks)
-                    self.post[m.group] = sum(c.nbytes for c in self.step_gathers(m.group)) // k
-                self.free(m.group)
-                self.at(f"free {label(m.group)}" + (f" (keep a {k}-rank shard)" if k is not None else ""))
+            if name in self.prof.frozen and name not in self.used:
+                rt.used(name, watched=name in self.prof.watched, unwatched=name in self.prof.unwatched)
+            self.used.add(name)
+            self.use(name, backward=False)
+        elif m.kind == FWD_END:  # (GroupRun.post_forward)
+            rt.prefetcher.closed(name)
+            k = plan.post_forward_world(plan.group(name))
+            self.freeing(name, rt.runs[name].reshard_after_forward,
+                         f"free {label(name)}" + (f" (keep a {k}-rank shard)" if k is not None else ""))
         elif m.kind == BWD_START:
-            self.use(m.group, backward=True)
+            rt.backward_started = True
+            self.use(name, backward=True)
         elif m.kind == BWD_END:
-            if m.group != ROOT and m.group not in self.empty:
-                self.reduce_scatter(m.group)
+            if name != ROOT and name not in self.empty:
+                rt.post_backward(name)
         elif m.kind == INPUTS_DONE:
-            self.inputs_done.add(m.group)
-            if g.reshard_after_backward and self.state[m.group] is not Status.SHARDED and self.released(m.group):
-                self.free(m.group)
-                self.at(f"free {label(m.group)} (its inputs' gradients are done)")
+            self.freeing(name, lambda: rt.frozen.inputs_done(name),
+                         f"free {label(name)} (its inputs' gradients are done)")
         st = self.prof.stretches[i]
-        self.at(f"{m.kind} {label(m.group)}: highest point until the next event",
+        self.at(f"{m.kind} {label(name)}: highest point until the next event",
                 {"activations": st.peak - m.activations - m.grads})
         if self.hw:
-            self.run(self.hw.stretch_s(st), f"{m.kind.split()[0]} {label(m.group)}")
+            self.run(self.hw.stretch_s(st), f"{m.kind.split()[0]} {label(name)}")
 
     def replay(self) -> None:
         root = self.plan.groups[0]
         marks = self.prof.marks
+        rt = self.runtime
         for i, m in enumerate(marks):
             if m.kind == BWD_END and m.group == ROOT:
                 continue  # the root's reduce-scatter comes last: below
             self.mark(i)
+        rt.backward_started = True
         if root.name not in self.empty:  # the root group's reduce-scatter, then end_of_backward
             done = [i for i, m in enumerate(marks) if m.kind == BWD_END and m.group == ROOT]
             if done:
                 m = marks[done[0]]
                 self.act, self.grads = self.prof.input_bytes + m.activations, m.grads
-            self.reduce_scatter(ROOT)
+            rt.post_backward(ROOT)
             if done:
                 st = self.prof.stretches[done[0]]
                 self.at("after the root's reduce-scatter", {"activations": st.peak - m.activations - m.grads})
-        self.finish_rs()
-        for g in self.plan.groups:
-            if g.reshard_after_backward:
-                self.free(g.name)
+        rt.reduce_queue.finish()  # (Step.end_of_backward)
+        for run in rt.runs.values():
+            run.free_after_backward()
         self.act, self.grads = self.prof.input_bytes, 0
         self.at("end of backward")
         if self.update is not None:

@@ -80,7 +80,7 @@ from typing import Any, NamedTuple, Union
 import torch
 import torch.distributed as dist
 
-from funcshard._checkpoint_dcp import inherit, refuse_container
+from funcshard._checkpoint_dcp import refuse_container
 from funcshard._collectives import bounded_all_reduce
 from funcshard._compat import (
     DCP_WRITE_ITEMS,
@@ -100,6 +100,7 @@ from funcshard._compat import (
     foreach_sqrt,
 )
 from funcshard._offload import check_pin, start_to_device, start_to_host, to_host
+from funcshard._spec import shard_like
 from funcshard._tree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
@@ -373,7 +374,7 @@ def _zeros_like_tree(where: str, params: PyTree) -> PyTree:
     _check_tensor_leaves(where, "params", params, leaves)
     with torch.no_grad():
         out = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-    inherit(leaves, out)  # sharded like the params (funcshard.checkpoint: plain DCP refuses shards)
+    shard_like(leaves, out)  # sharded like the params (funcshard.checkpoint: plain DCP refuses shards)
     return tree_unflatten(spec, out)
 
 
@@ -548,7 +549,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             del denom
             foreach_div_(out, bias_correction1)
         if not donate:
-            inherit(state_leaves, mu + nu)
+            shard_like(state_leaves, mu + nu)
         return tree_unflatten(spec, out), ScaleByAdamState(
             count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu)
         )
@@ -684,7 +685,7 @@ def trace(decay: float, dampening: float = 0.0, nesterov: bool = False) -> Gradi
                 out = g
             else:
                 out = foreach_add(g, buf, alpha=decay) if nesterov else buf
-        inherit(tree_flatten(state.trace)[0], buf)  # (init's zeros are marked like the params)
+        shard_like(tree_flatten(state.trace)[0], buf)  # (init's zeros are marked like the params)
         new_state = TraceState(count=state.count + 1, trace=tree_unflatten(buf_spec, buf))
         return tree_unflatten(spec, out), new_state
 
@@ -903,11 +904,11 @@ def sgd(
                 buf, buf_spec = tree_flatten(tr.trace)
                 if tr.count == 0:
                     buf = [t.clone() for t in g]
-                    inherit(p, buf)
+                    shard_like(p, buf)
                 else:
                     if not donate:
                         old, buf = buf, [t.clone() for t in buf]
-                        inherit(old, buf)
+                        shard_like(old, buf)
                     foreach_mul_(buf, momentum)
                     foreach_add_(buf, g, alpha=1 - dampening)
                 if nesterov and owned:
@@ -920,7 +921,7 @@ def sgd(
             new = p if donate else [t.clone() for t in p]
             foreach_add_(new, g, alpha=-lr_t)
         if not donate:
-            inherit(p, new)
+            shard_like(p, new)
         new_states.append(ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched)
         return tree_unflatten(spec, new), chain_state_class(len(new_states))(*new_states)
 
@@ -982,12 +983,12 @@ def adamw(
             bias_correction2 = 1 - b2 ** float(count)  # torch: beta ** step.item(), step a float tensor
             mu, nu, denom = _adam_moments(mu, nu, g, b1, b2, bias_correction2**0.5, eps, donate)
             if not donate:
-                inherit(old, mu + nu)
+                shard_like(old, mu + nu)
             bias_correction1 = 1 - b1 ** float(count)
             step_size = (lr_t / bias_correction1) * -1
             foreach_addcdiv_(new, mu, denom, [step_size] * len(new))
         if not donate:
-            inherit(p, new)
+            shard_like(p, new)
         new_sched = ScaleByScheduleState(count=sched.count + 1) if callable(lr) else sched
         adam = ScaleByAdamState(count=count, mu=tree_unflatten(mu_spec, mu), nu=tree_unflatten(mu_spec, nu))
         return tree_unflatten(spec, new), chain_state_class(3)(adam, state[1], new_sched)
@@ -1089,7 +1090,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
             foreach_add_(p, u)
             return params
         new = foreach_add(p, u)
-    inherit(p, new)
+    shard_like(p, new)
     return tree_unflatten(spec, new)
 
 
@@ -1493,7 +1494,7 @@ def muon(
         _, ex = owning.get(keys)
         if not donate:
             old, buf = buf, [t.clone() for t in buf]
-            inherit(old, buf)
+            shard_like(old, buf)
         upd = _muon.momentum_update(g, buf, momentum, nesterov)
         ortho = _muon.orthogonalize(ex, dict(zip(keys, upd)), ns_coefficients, ns_steps, eps)
         return buf, [ortho[k] for k in keys], [plan.specs[k].shape for k in keys]
@@ -1522,7 +1523,7 @@ def muon(
             new = p if donate else [t.clone() for t in p]
             _muon.apply_muon(new, ortho, shapes, lr_t, weight_decay, adjust_lr_fn)
         if not donate:
-            inherit(p, new)
+            shard_like(p, new)
         new = dict(zip(keys, new))
         return {k: new[k] for k in params}, TraceState(count=state.count + 1, trace=dict(zip(keys, buf)))
 

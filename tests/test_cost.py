@@ -53,6 +53,43 @@ class _Tagged:
         return [(kind, group, *rest) for (kind, *rest), group in zip(self.rec.calls, self.tags)]
 
 
+class _Lifecycle:
+    """A real step's lifecycle as the runtime's events name it (``observe.emit``): each group's all-gather issued,
+    free and reduce-scatter issued, in order."""
+
+    KINDS = ("all-gather issued", "freed", "reduce-scatter issued")
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, what, group, obj):
+        if what in self.KINDS:
+            self.events.append((what, group))
+
+    def __enter__(self):
+        LISTENERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        LISTENERS.remove(self)
+
+
+def _estimate_and_replayed(plan, x, loss):
+    """``cost.estimate``, and its replay's lifecycle (the same events: ``cost._Replay.events``)."""
+    kept = []
+
+    class Kept(C._Replay):
+        def replay(self):
+            super().replay()
+            kept.append(self.events)
+
+    C._Replay = Kept
+    try:
+        return C.estimate(plan, x, loss=loss), kept[0]
+    finally:
+        C._Replay = Kept.__mro__[1]
+
+
 def _issued_vs_predicted(depth, reshard, model_kind, layout, lists, reverse=False):
     plan, trainable, frozen, x = matrix_step(depth, reshard, model_kind, layout, lists)
     if reverse:  # the blocks run last to first: the plan says so (the runtime warns otherwise)
@@ -67,14 +104,14 @@ def _issued_vs_predicted(depth, reshard, model_kind, layout, lists, reverse=Fals
 
         m.forward = backwards
     loss = lambda out: out.float().square().sum()  # noqa: E731
-    with _Tagged(IssuedCollectives()) as rec:
+    with _Tagged(IssuedCollectives()) as rec, _Lifecycle() as life:
         torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **frozen}, x)))(trainable)
-    cost = C.estimate(plan, x, loss=loss)
+    cost, replayed = _estimate_and_replayed(plan, x, loss)
     predicted = [(c.kind, c.group, c.dtype, c.numel, c.nbytes) for c in cost.collectives]
     calls = rec.calls()
     issued = {k: sum(b for kk, *_, b in calls if kk == k) for k in ("all-gather", "reduce-scatter")}
     counts = {k: sum(1 for kk, *_ in calls if kk == k) for k in ("all-gather", "reduce-scatter")}
-    return calls, predicted, issued, cost.bytes_by_kind(), counts, cost.counts()
+    return calls, predicted, issued, cost.bytes_by_kind(), counts, cost.counts(), life.events, replayed
 
 
 @pytest.mark.parametrize("depth,reshard,kind,layout",
@@ -85,10 +122,11 @@ def test_predicted_collectives_are_the_issued_ones(depth, reshard, kind, layout)
     lists = layout == "lists"
     layout = "per_param" if lists else layout
     reverse = kind == "mlp-reversed"
-    for issued, predicted, issued_bytes, bytes_, issued_counts, counts in run_ranks(
+    for issued, predicted, issued_bytes, bytes_, issued_counts, counts, lifecycle, replayed in run_ranks(
             2, _issued_vs_predicted, depth, reshard, "mlp" if reverse else kind, layout, lists, reverse):
         assert predicted == issued  # every collective, in order, of the same group, dtype and size
         assert bytes_ == issued_bytes and counts == issued_counts
+        assert replayed == lifecycle  # every all-gather, free and reduce-scatter, in order: the runtime's own rules
 
 
 def test_a_forward_out_of_the_plans_order_is_refused_with_the_fix(mesh8):
@@ -334,15 +372,37 @@ def _mesh2d_issued_vs_predicted(shape, rsf, layout):
     loss = lambda out: out.square().sum()  # noqa: E731
     step = funcshard.value_and_grad(lambda s: loss(funcshard.apply(plan, s, x)))
     step(state)
-    with GroupCollectives() as rec:
+    with GroupCollectives() as rec, _Lifecycle() as life:
         step(state)
-    cost = C.estimate(plan, x, loss=loss)
+    cost, replayed = _estimate_and_replayed(plan, x, loss)
     issued = [(kind, len(ranks), dt, n, b) for kind, ranks, dt, n, b in rec.calls]
     predicted = [(c.kind, c.world, c.dtype, c.numel, c.nbytes) for c in cost.collectives]
     kept = max(p.bytes["sharded_params"] for p in cost.points) - cost.points[0].bytes["sharded_params"]
     post = sum(c.numel * c.dtype.itemsize for op in schedule(plan).ops if op.kind == "all-gather"  # (their inputs)
                for c in op.collectives if c.world < plan.mesh.size(plan.shard_axis))
-    return issued, predicted, cost.counts(), kept, post
+    return issued, predicted, cost.counts(), kept, post, life.events, replayed
+
+
+def test_an_int_reshard_with_a_root_without_parameters(mesh8):
+    """Every group kept as a 2-rank shard after forward, nested groups and a root without parameters (which the
+    replay once looked up an all-gather for): what each rank keeps is the backward all-gathers' inputs."""
+    from models import Block
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(6, 6), Block(6))
+            self.b = Block(6)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    plan = funcshard.plan(Nested(), mesh8, groups=(Block, nn.Sequential), reshard_after_forward=2)
+    cost = C.estimate(plan, torch.randn(2, 6))
+    kept = max(p.bytes["sharded_params"] for p in cost.points) - cost.points[0].bytes["sharded_params"]
+    post = sum(c.numel * c.dtype.itemsize for op in schedule(plan).ops if op.kind == "all-gather"
+               for c in op.collectives if c.world == 2)
+    assert kept == post > 0
 
 
 @pytest.mark.parametrize("shape,rsf,layout", [((2, 2), None, "per_param"), ((1, 4), 2, "flat")])
@@ -350,8 +410,10 @@ def test_hsdp_and_int_reshard_collectives_are_the_issued_ones(shape, rsf, layout
     """Each collective in issue order, with the size of its process group: the all-reduce of a reduce-scatter's
     output over the replicate axis runs when the next group's post-backward takes it; an int reshard's backward
     all-gather runs within blocks of k ranks, from the k-th each rank kept (counted as sharded parameters)."""
-    for issued, predicted, counts, kept, post in run_ranks(4, _mesh2d_issued_vs_predicted, shape, rsf, layout):
+    for issued, predicted, counts, kept, post, lifecycle, replayed in run_ranks(4, _mesh2d_issued_vs_predicted,
+                                                                                shape, rsf, layout):
         assert predicted == issued
+        assert replayed == lifecycle  # every all-gather, free and reduce-scatter, in order
         if shape == (2, 2):
             assert counts["all-reduce"] == counts["reduce-scatter"] == 4
         else:

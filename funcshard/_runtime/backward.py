@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 
 class ReduceQueue(Part):
+    observed = True  # its takes are the runtime's events (observe.emit); the cost model's replay's are not
+
     def __init__(self, step: Step):
         super().__init__(step)
         self.item: tuple | None = None  # (group, PendingReduce, sink, extra)
@@ -42,11 +44,17 @@ class ReduceQueue(Part):
         ``grads``, plain tensors (``raw_grads``: the caller made them so once): each is dropped once copied into the
         reduce-scatter input)."""
         step = self.step
-        run = step.runs[name]
-        gb = run.buffers
         step.frozen.grads_done(name)
         self.finish()
         step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
+        return self.issue(name, grads)
+
+    def issue(self, name: str, grads: list):
+        """Issue the group's reduce-scatter (async); returns it pending (``PendingReduce``). (The cost model's replay
+        runs this queue with an ``issue`` of its own: ``cost._Replay``.)"""
+        step = self.step
+        run = step.runs[name]
+        gb = run.buffers
         with no_functorch():
             pending = start_reduce_scatter(gb.reduce_layout, grads, step.pg, gb.device, run.divide_factor(),
                                            step.replicate_pg, run.where("reduce-scatter"), gb.group.comm)
@@ -73,7 +81,7 @@ class ReduceQueue(Part):
             return None
         name, pending, sink, extra = self.item
         self.item = None
-        if LISTENERS:
+        if LISTENERS and self.observed:
             emit("reduce-scatter wait", name, pending)
         options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
         try:
@@ -82,7 +90,7 @@ class ReduceQueue(Part):
         except CollectiveError as e:
             self.step.fail(e)
             raise
-        if LISTENERS:
+        if LISTENERS and self.observed:
             emit("reduce-scatter done", name, pending)
         return name, shards, sink, extra
 
@@ -147,7 +155,7 @@ class FrozenRelease(Part):
         if len(top) != len(inputs) or any(args[i].layout is not torch.strided or args[i].is_nested for i in top):
             # inside containers (not rebuilt: the module may fill them) or not aliasable (nested, sparse)
             torch.autograd.graph.register_multi_grad_hook(
-                inputs, runtime_boundary(lambda _g: self._inputs_done(name)), mode="all")
+                inputs, runtime_boundary(lambda _g: self.inputs_done(name)), mode="all")
             return None
         left = [len(top), len(top)]  # (to go, total): reset at the end of backward for a retained graph
         c.counters.append(left)
@@ -157,7 +165,7 @@ class FrozenRelease(Part):
         def done(_grad):
             left[0] -= 1
             if left[0] == 0 and (me := ref()) is not None:
-                me._inputs_done(name)
+                me.inputs_done(name)
 
         new = list(args)
         for i in top:
@@ -165,7 +173,8 @@ class FrozenRelease(Part):
             new[i].register_hook(done)
         return tuple(new)
 
-    def _inputs_done(self, name: str) -> None:
+    def inputs_done(self, name: str) -> None:
+        """The gradients of one use's forward inputs are complete."""
         if self.step is None:  # (a hook that outlived its step: the step's buffers went with it)
             return
         self.step.runs[name].counts.inputs_left -= 1

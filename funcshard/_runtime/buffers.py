@@ -18,7 +18,7 @@ import enum
 import torch
 
 from funcshard._collectives import CollectiveError, free_buffers, no_functorch, no_grad, unwrapped, Where
-from funcshard._pipeline import Buckets, PendingRegather, post_forward_shards, start_gather, start_regather
+from funcshard._pipeline import Buckets, post_forward_shards, regather_targets, start_gather, start_regather
 from funcshard._extension import extension_of
 from funcshard._compat import unsafe_preserve_version_counter
 from funcshard._offload import to_device
@@ -37,7 +37,7 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post", "grad_mask", "ext", "compute_device")
+                 "pending", "versions", "frozen", "trainable", "post", "regather", "grad_mask", "ext", "compute_device")
 
     def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None,
                  compute_device: torch.device | None = None):
@@ -65,9 +65,10 @@ class GroupBuffers:
         self.bases: list[torch.Tensor] | None = None  # the raw unsharded buffers
         self.copy_to: list | None = None  # the copy-out's views of them (Buckets.copy_targets)
         self.status = Status.SHARDED
-        self.pending = None  # PendingGather while GATHERING
+        self.pending = None  # PendingGather (PendingExtension: the extension's) while GATHERING
         self.versions = None  # flat layout: autograd's version counters held while the collective writes
         self.post: tuple | None = None  # (post-forward shards, process group, rank in it, k) while resharded to k
+        self.regather = 0  # k while a gather from the post-forward shards is in flight
 
     @property
     def device(self) -> torch.device:
@@ -89,6 +90,7 @@ class GroupBuffers:
             with no_functorch():
                 self.pending = start_regather(self.layout, post, group, rank, k,
                                               where and where._replace(kind="re-gather", pg=group), self.group.comm)
+            self.regather = k
             self.status = Status.GATHERING
             if LISTENERS:
                 emit("all-gather issued", self.group.name, self)
@@ -145,10 +147,12 @@ class GroupBuffers:
             emit("all-gather wait", self.group.name, self)
         with no_functorch(), no_grad():
             fresh = self.bases is None  # new buffers: nothing can have saved them yet
-            regather = isinstance(self.pending, PendingRegather)
-            if not self.layout.flat or regather:
+            if not self.layout.flat or self.regather:
                 self.allocate()
-            targets = self.bases if regather or self.ext is not None else self.copy_to
+            if self.regather:
+                targets = regather_targets(self.layout, self.bases, self.regather)
+            else:
+                targets = self.bases if self.ext is not None else self.copy_to
             try:
                 if fresh:
                     self.pending.finish(targets)
@@ -161,7 +165,7 @@ class GroupBuffers:
             if self.versions is not None:
                 self.versions.__exit__(None, None, None)
                 self.versions = None
-        self.pending = None
+        self.pending, self.regather = None, 0
         self.status = Status.GATHERED
         if LISTENERS:
             emit("gathered", self.group.name, self)
@@ -172,11 +176,11 @@ class GroupBuffers:
         if self.versions is not None:
             self.versions.__exit__(None, None, None)
             self.versions = None
-        if self.layout.flat and not isinstance(self.pending, PendingRegather):
+        if self.pending is not None and self.pending.in_place:
             self.bases = self.copy_to = None
         elif self.bases is not None:
             free_buffers(self.storages())  # (per-parameter layout: the collective writes into its own buffers)
-        self.pending, self.status = None, Status.SHARDED
+        self.pending, self.regather, self.status = None, 0, Status.SHARDED
 
     def free(self) -> None:
         """Free the unsharded buffers' storage (autograd's references stay valid); waits for a gather in flight. Drops
@@ -196,11 +200,12 @@ class GroupBuffers:
         if LISTENERS:
             emit("freed", self.group.name, self)
 
-    def reshard_to(self, group, rank: int, k: int) -> None:
+    def reshard_to(self, plan, k: int) -> None:
         """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free
-        the buffers; the next gather runs over ``group``, the block of ``k`` ranks."""
+        the buffers; the next gather runs over the block of ``k`` ranks (``plan.post_forward_group(k)``)."""
         if self.status is Status.SHARDED:
             return
+        group, rank = plan.post_forward_group(k)
         self.wait()
         with no_functorch():
             post = post_forward_shards(self.layout, self.bases, rank, k)

@@ -71,6 +71,13 @@ class GroupRun(Part):
             step.checks.collective(f"{kind} of group {self.name!r} ({step.phase()})")
         gb.issue(step.pg, step.rank, self.where("all-gather"))
 
+    def gather_and_prefetch(self, *, backward: bool) -> None:
+        """The group's use (forward) or its pre-backward: gather it, then issue the all-gathers of the groups the plan
+        prefetches after it (``Prefetcher.after``)."""
+        self.unshard()
+        self.wait()
+        self.step.prefetcher.after(self.name, backward=backward)
+
     @failing
     def wait(self) -> None:
         if self.buffers.status is Status.SHARDED:
@@ -94,7 +101,7 @@ class GroupRun(Part):
                 self.reshard()
             return
         self.slots.swap_out()
-        self.buffers.reshard_to(*step.plan.post_forward_group(k), k)
+        self.buffers.reshard_to(step.plan, k)
 
     def free_after_backward(self) -> None:
         if self.buffers.group.reshard_after_backward:
@@ -151,9 +158,7 @@ class GroupRun(Part):
         step, gb, name = self.step, self.buffers, self.name
         self.swap_out()  # (parameters registered by unshard() make way for autograd-visible ones)
         step.prefetcher.used(name)
-        self.unshard()
-        self.wait()
-        step.prefetcher.after(name, backward=False)
+        self.gather_and_prefetch(backward=False)
         ns = self.node
         grad = torch.is_grad_enabled()
         if not step.fused_on and ns.views_grad and not grad and gb.shards:
@@ -214,12 +219,11 @@ class GroupRun(Part):
 
     # ---- backward ----------------------------------------------------------------------------------------------
     def pre_backward(self) -> None:
-        """The gradient reached the group's outputs (or a nested group's): gather it, swap it in for a recomputation,
-        prefetch the next groups of backward."""
+        """The gradient reached the group's outputs (or a nested group's): gather it, prefetch the next groups of
+        backward, swap it in for a recomputation."""
         step, gb, name = self.step, self.buffers, self.name
         step.pre_backward_ran.add(name)
-        self.unshard()
-        self.wait()
+        self.gather_and_prefetch(backward=True)
         if ((self.slots.views is None or not self.node.views_grad) and gb.trainable
                 and not step.fused_on and gb.status is Status.GATHERED and step.nodes.saved_views(name) is None):
             # The module holds no views with autograd history: no recorded op used the group's parameters (reentrant
@@ -235,7 +239,6 @@ class GroupRun(Part):
             self.swap_out()
         else:
             self.swap_in()  # activation-checkpoint recomputation reads the module's attributes
-        step.prefetcher.after(name, backward=True)
 
     def divide_factor(self) -> float:
         """The factor the group's summed gradients are divided by (``Plan.divide_factor_of``), given once to its

@@ -71,6 +71,15 @@ class _PlanFacts:
         self.desc = (f"{type(plan.module).__name__} in {len(plan.groups)} groups, timeout {bound}"
                      f"{', check mode' if plan.check else ''}")
         self.masks: dict = {}  # requires-grad masks -> their packed words (check.packed_mask)
+        self.mesh = plan.mesh
+        self._device: torch.device | None = None
+
+    def device(self, api: str) -> torch.device:
+        """The device the plan's steps compute on (``_mesh.device_of``), looked up by its first step; ``api``: what
+        the user called, for the error."""
+        if self._device is None:
+            self._device = device_of(self.mesh, api)
+        return self._device
 
 
 def _facts(plan: Plan) -> _PlanFacts:
@@ -103,7 +112,7 @@ class Step:
         self.recompute_nested = recompute_nested
         facts = self.facts = _facts(plan)
         self.bound = Bound(self.pg, facts.seconds, facts.desc, self.api)
-        self.device = device_of(plan.mesh, self.api)
+        self.device = facts.device(self.api)
         self.failed: str | None = None  # what failed this step (Step.fail), as text
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan, self.device) for g in plan.groups}
