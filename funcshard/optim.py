@@ -815,7 +815,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     update_fn.reads_all_params = any(getattr(t.update, "reads_all_params", False) for t in transforms)
     last = transforms[-1] if transforms else None
     if not isinstance(last, TorchOptimizer):
-        return GradientTransformation(init_fn, update_fn)
+        return _chain_owners(GradientTransformation(init_fn, update_fn), transforms)
 
     def check_exact(grads, state, params):
         check(state)
@@ -835,8 +835,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         params, s = last.exact(grads, state[-1], params, donate=donate)
         return params, state_class(*new_states, s)
 
-    return _torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
-                            last.torch_param_group)
+    return _chain_owners(_torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
+                                          last.torch_param_group), transforms)
 
 
 # --------------------------------------------------------------------------
@@ -1421,6 +1421,28 @@ def _with_owners(tx: GradientTransformation, owners: Callable, wire_dtype: torch
     if isinstance(tx, TorchOptimizer):
         out.exact, out.torch_param_group = tx.exact, tx.torch_param_group
     out.owners, out.wire_dtype, out.transforms = owners, wire_dtype, transforms
+    return out
+
+
+def _chain_owners(tx: GradientTransformation, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
+    """A :func:`chain`'s ``tx`` with the ``owners`` of the whole-matrix transformation in it (what the plan's printout
+    and ``funcshard.cost`` read), and its last transformation's torch ``param_groups`` (:func:`multi_transform`'s);
+    ``tx`` itself when none has owners. Two with owners: ``owners`` raises, naming them."""
+    last = transforms[-1] if transforms else None
+    if getattr(last, "torch_param_groups", None) is not None:
+        tx.torch_param_groups = last.torch_param_groups
+    owning = [i for i, t in enumerate(transforms) if getattr(t, "owners", None) is not None]
+    if not owning:
+        return tx
+    if len(owning) > 1:
+        def owners(params):
+            raise ValueError(f"chain: transformations {owning} each have owner ranks; their tables are each one's: "
+                             f"call owners() (or Plan.with_optimizer, cost.owner_costs) on each of them")
+        return _with_owners(tx, owners)
+    t = transforms[owning[0]]
+    out = _with_owners(tx, t.owners, t.wire_dtype, t.transforms)
+    if getattr(tx, "torch_param_groups", None) is not None:
+        out.torch_param_groups = tx.torch_param_groups
     return out
 
 

@@ -472,11 +472,12 @@ def _counted_step():
     rank = plan.shard_group()[1]
     tx = optim.muon(0.02, plan=plan)
     opt_state = tx.init(state)
-    sent = []
+    sent, received = [], []
     real = dist.all_to_all_single
 
     def counting(out, inp, out_splits, in_splits, **kw):
         sent.append(sum(n for o, n in enumerate(in_splits) if o != rank) * inp.element_size())
+        received.append(sum(n for o, n in enumerate(out_splits) if o != rank) * out.element_size())
         return real(out, inp, out_splits, in_splits, **kw)
 
     dist.all_to_all_single = counting
@@ -487,14 +488,53 @@ def _counted_step():
         dist.all_to_all_single = real
     (oc,) = cost.owner_costs(plan, tx, hardware=cost.Hardware(1e9, 1e9, 1e8, 1e-5))
     rounds = max(len(oc.owners.owned_by(r)) for r in range(plan.world))
-    return sent, rounds, oc.to_owners_sent[rank], oc.back_sent[rank], oc.exchange_s > 0, str(oc)
+    shown = plan.with_optimizer(tx, state)  # the plan's printout: the same exchange, call for call
+    (step,) = shown.owner_steps
+    planned = [(c.sent[rank], c.received[rank]) for c in step.collectives]
+    return (sent, rounds, oc.to_owners_sent[rank], oc.back_sent[rank], oc.exchange_s > 0, str(oc),
+            planned == list(zip(sent, received)), str(shown), shown.collective_order(), str(step.owners))
 
 
 def test_owner_cost_bytes_are_the_exchanges():
-    # pipelined: one all-to-all each way per round (each owner's j-th matrix), the bytes as the model says
-    for sent, rounds, to, back, timed, text in run_ranks(2, _counted_step):
+    # pipelined: one all-to-all each way per round (each owner's j-th matrix), the bytes as the model says; the plan's
+    # printout (Plan.with_optimizer) lists the same all-to-alls in the order the exchange issues them, each with the
+    # bytes this rank sends and receives in it, and each matrix's owner beside the parameter
+    for sent, rounds, to, back, timed, text, same, printed, order, table in run_ranks(2, _counted_step):
         assert len(sent) == 2 * rounds == 6 and sum(sent) == to + back > 0 and timed
         assert "owners' extra memory" in text
+        assert same
+        assert [line.split(",")[0] for line in order[-6:]] == [
+            "all-to-all to the owners", "all-to-all to the owners", "all-to-all back from the owners",
+            "all-to-all to the owners", "all-to-all back from the owners", "all-to-all back from the owners"]
+        assert "owners: 5 whole matrices over 2 ranks" in printed and table.splitlines()[2] in printed
+        assert "1.weight: (9, 11) float32 dim 0 over axis 0 -> local (5, 11) pad 1  [owner: rank 0]" in printed
+
+
+def test_plan_with_optimizer_is_checked(fake_mesh2):
+    from funcshard import cost
+
+    plan = funcshard.plan(_Mixed(), fake_mesh2)
+    tx = _mixed_tx(plan)
+    shown = plan.with_optimizer(optim.chain(optim.clip_by_global_norm(1.0), tx))  # a chain shows its inner owners
+    (step,) = shown.owner_steps
+    assert step.label == "muon" and [e.path for e in step.owners.entries] == ["a.weight", "b.weight"]
+    assert plan.owner_steps == () and "owner" not in str(plan)  # (the plan itself unchanged)
+    assert "b.weight: (9, 9) float32 dim 0 over axis 0 -> local (5, 9) pad 1 tied ['c.weight']  [owner: rank 1, " \
+           "'muon']" in str(shown)
+    (oc,) = cost.owner_costs(plan, tx)  # the cost model's bytes are the printout's
+    assert (oc.to_owners_sent, oc.back_received, oc.extra_bytes) == (step.to_owners_sent, step.back_received,
+                                                                     step.extra_bytes)
+    assert plan.with_optimizer(optim.adamw(1e-3)).owner_steps == ()  # no owners: nothing to show
+    with pytest.raises(ValueError, match=r"chain: transformations \[0, 1\] each have owner ranks"):
+        plan.with_optimizer(optim.chain(tx, tx))
+    plan4 = funcshard.plan(_Mixed(), cost.fake_mesh(4))  # (tx's plan shards over 2 ranks)
+    with pytest.raises(funcshard.ShardingError, match=r"Plan.with_optimizer: the optimizer 'muon' assigns owners "
+                                                      r"over 2 ranks, and this plan shards over 4 ranks.*Fix: build"):
+        plan4.with_optimizer(tx)
+    other = funcshard.plan(_model(), cost.fake_mesh(4))  # (another model: its paths are not tx's plan's)
+    with pytest.raises(funcshard.ShardingError, match=r"Plan.with_optimizer: the optimizer does not fit this plan "
+                                                      r"\(4 ranks\): .*'0.weight'.*Fix: build the optimizer"):
+        other.with_optimizer(optim.muon(plan=plan))
 
 
 def test_estimate_reports_owners(fake_mesh2):
