@@ -1261,8 +1261,9 @@ __all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners
 
 
 class OwnerComputeState(NamedTuple):
-    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only
-    (``funcshard.checkpoint`` does not save it).
+    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only.
+    ``funcshard.checkpoint`` saves each matrix's state (tensors) whole under its path, so a load at another world size
+    gives each matrix's new owner its state.
 
     Attributes:
         count: updates so far.
@@ -1364,7 +1365,8 @@ def owner_compute(fn: Callable[[str, torch.Tensor, Any], tuple[torch.Tensor, Any
             must have ``grad``'s shape and dtype (else the owner raises and the other ranks time out).
         plan: the :class:`funcshard.Plan` whose shards the updates are.
         init_state: ``init_state(path, spec) -> state`` for each matrix, held by its owner only
-            (:class:`OwnerComputeState`; ``funcshard.checkpoint`` does not save it).
+            (:class:`OwnerComputeState`: tensors, in dicts, lists or tuples, for ``funcshard.checkpoint`` to save
+            and load it at any world size).
         cost: ``cost(shape) -> FLOPs`` used to balance the owners.
 
     Returns:
