@@ -227,8 +227,11 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
                  for k, v in leaves.items()}
         if owned:
             out[OPTIM][OWNED] = owned
+        groups = getattr(tx, "torch_param_groups", None)  # (optim.multi_transform: one torch optimizer per label)
         group = getattr(tx, "torch_param_group", None)
-        if group is not None:
+        if groups is not None:
+            out[OPTIM]["param_groups"] = groups(step, {k: state[k] for k in held})
+        elif group is not None:
             out[OPTIM]["param_groups"] = [{**group(step), "params": held}]
     return out
 

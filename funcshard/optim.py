@@ -1574,9 +1574,12 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
 
     Returns:
         A :class:`GradientTransformation` (state :class:`MultiTransformState`) over ``dict[str, Tensor]`` params; a
-        :class:`TorchOptimizer` when every transformation is one (:func:`step` runs each one's exact step; it has no
-        single torch ``param_groups`` entry: ``torch_param_group`` is None, and a checkpoint holds no
-        ``optim.param_groups``). ``owners(params)`` gives each labelled whole-matrix transformation's
+        :class:`TorchOptimizer` when every transformation is one (:func:`step` runs each one's exact step). When
+        each transformation knows its torch hyperparameters (``optim.muon``, ``optim.adamw``, ``optim.sgd``), a
+        checkpoint holds torch's ``param_groups`` of one torch optimizer per label (``torch_param_groups``), as
+        ``get_optimizer_state_dict(model, [torch.optim.Muon(...), torch.optim.AdamW(...)])`` writes them, so FSDP2
+        with those optimizers loads it (``set_optimizer_state_dict(model, [muon, adamw], ...)``: each label's
+        learning rate and betas too). ``owners(params)`` gives each labelled whole-matrix transformation's
         :class:`Owners` (label -> Owners). Works in :func:`chain`, with ``donate=True`` (every transformation's
         inputs checked before any is donated) and with ``funcshard.checkpoint``.
     """
@@ -1675,8 +1678,25 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
                 if hasattr(t, "owners")}
 
+    def torch_param_groups(count, params):
+        """torch's ``param_groups`` of the labels' optimizers, one after another (``get_optimizer_state_dict(model,
+        [opt_a, opt_b])``'s): each label's group(s) with its hyperparameters at ``count`` and its parameters among
+        ``params`` (path -> shard, in their order); a label given none of them has no group."""
+        labs = label_of(params, "params")
+        out = []
+        for name, t in transforms.items():
+            mine = {k: params[k] for k in params if labs[k] == name}
+            if not mine:
+                continue
+            many = getattr(t, "torch_param_groups", None)
+            out += many(count, mine) if many is not None else [{**t.torch_param_group(count), "params": list(mine)}]
+        return out
+
     tx = _with_owners(GradientTransformation(init_fn, _checked(update_fn, check_all)), owners,
                       transforms=dict(transforms))
+    if all(getattr(t, "torch_param_groups", None) is not None or getattr(t, "torch_param_group", None) is not None
+           for t in transforms.values()):
+        tx.torch_param_groups = torch_param_groups
     if not all(isinstance(t, TorchOptimizer) for t in transforms.values()):
         return tx
 
@@ -1695,5 +1715,6 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         labs = label_of(grads, "grads")
         return {k: outs[labs[k]][k] for k in params}, MultiTransformState(new)
 
-    return _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners,
-                        transforms=dict(transforms))
+    out = _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners, transforms=dict(transforms))
+    out.torch_param_groups = tx.torch_param_groups
+    return out

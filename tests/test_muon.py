@@ -261,10 +261,53 @@ def _mixed_load(path):
             funcshard.gather(plan, {**state, **inner["adamw"][0].mu}), inner["muon"].count)
 
 
+def _torch_mixed_load(path):
+    """The checkpoint loaded by torch's own optimizers, torch.optim.Muon on the hidden matrices and AdamW on the rest
+    (other hyperparameters, other initial values: all from the checkpoint), then an 11th step; against torch trained
+    11 steps in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def build(seed, lrs):
+        torch.manual_seed(seed)
+        model = _Mixed()
+        named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        label = {k: "muon" if p.ndim == 2 and k not in ("inp.weight", "out.weight") else "adamw"
+                 for k, p in named.items()}
+        opts = (torch.optim.Muon([p for k, p in named.items() if label[k] == "muon"], lr=lrs[0]),
+                torch.optim.AdamW([p for k, p in named.items() if label[k] == "adamw"], lr=lrs[1], foreach=True))
+        return model, named, opts
+
+    def train(model, named, opts, steps):
+        for step in steps:
+            full = _grads({k: type("S", (), {"shape": tuple(p.shape)}) for k, p in model.named_parameters()}, step,
+                          torch.float32)
+            for k, p in named.items():
+                p.grad = full[k]
+            for o in opts:
+                o.step()
+
+    model, named, opts = build(1, (0.5, 0.5))
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opts, sd["optim"])
+    lrs = [o.param_groups[0]["lr"] for o in opts]
+    train(model, named, opts, [10])
+    ref, ref_named, ref_opts = build(0, (0.02, 1e-2))
+    train(ref, ref_named, ref_opts, range(11))
+    return lrs, all(torch.equal(p, ref_named[k]) for k, p in named.items())
+
+
 def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
-    # Muon's momentum (torch's momentum_buffer) and AdamW's moments saved at W=2, loaded at W=1: bit for bit
+    # Muon's momentum (torch's momentum_buffer) and AdamW's moments saved at W=2, loaded at W=1: bit for bit; and by
+    # torch's Muon + AdamW through get/set_optimizer_state_dict (param_groups one per label: their own lr), whose next
+    # step is torch's own 11th
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _mixed_parity, "step", path)[0]
+    lrs, equal = run_ranks(1, _torch_mixed_load, path)[0]
+    assert lrs == [0.02, 1e-2] and equal
     loaded = run_ranks(1, _mixed_load, path)[0]
     assert loaded[3] == saved["saved"][3] == 10
     muon_keys, adam_keys = ("a.weight", "b.weight"), ("inp.weight", "inp.bias", "norm.weight", "out.bias")
