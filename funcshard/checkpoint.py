@@ -461,9 +461,15 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
         trees, _ = _per_param(plan, opt_state)
         held = _held(plan, opt_state, trees)
         stepped = [k for k in held if f"{OPTIM}.state.{k}.step" in md]
-        if stepped and len(stepped) < len(held):
+        # torch's SGD and Muon keep no step beside a momentum buffer (a checkpoint of torch's Muon + AdamW has
+        # steps for the AdamW parameters only): those may lack it; any other parameter may not
+        kinds: dict[str, set[str]] = {}
+        for t in trees:
+            for k in t.tree:
+                kinds.setdefault(k, set()).add(t.name)
+        if stepped:
             problems += [f"  {OPTIM}.state.{k}.step: missing (the checkpoint has it for {stepped[0]})"
-                         for k in held if k not in stepped]
+                         for k in held if k not in stepped and not (k in kinds and kinds[k] <= {"momentum_buffer"})]
         for k in stepped:
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
         for t in trees:

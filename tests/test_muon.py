@@ -297,7 +297,24 @@ def _torch_mixed_load(path):
     train(model, named, opts, [10])
     ref, ref_named, ref_opts = build(0, (0.02, 1e-2))
     train(ref, ref_named, ref_opts, range(11))
-    return lrs, all(torch.equal(p, ref_named[k]) for k, p in named.items())
+    equal = all(torch.equal(p, ref_named[k]) for k, p in named.items())
+    # and back: torch's checkpoint after its 11th step (no step beside Muon's momentum buffers, as torch keeps none)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)},
+             checkpoint_id=path + "-torch")
+    train(ref, ref_named, ref_opts, [11])
+    return lrs, equal, {k: p.detach() for k, p in ref_named.items()}
+
+
+def _mixed_resume(path):
+    """torch's Muon + AdamW checkpoint loaded into multi_transform at W=2, then a 12th step."""
+    torch.manual_seed(1)
+    plan = funcshard.plan(_Mixed(), _mesh())
+    tx = _mixed_tx(plan)
+    trained = {k: v for k, v in funcshard.shard(plan).items() if plan.specs[k].requires_grad}
+    state, opt_state = checkpoint.load(plan, path, opt_state=tx.init(trained))
+    count = opt_state.inner_states["muon"].count
+    state, opt_state = _mixed_train(plan, tx, state, opt_state, 1, start=11)
+    return count, funcshard.gather(plan, state)
 
 
 def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
@@ -306,8 +323,10 @@ def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
     # step is torch's own 11th
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _mixed_parity, "step", path)[0]
-    lrs, equal = run_ranks(1, _torch_mixed_load, path)[0]
+    lrs, equal, ref12 = run_ranks(1, _torch_mixed_load, path)[0]
     assert lrs == [0.02, 1e-2] and equal
+    for count, got in run_ranks(2, _mixed_resume, path + "-torch"):  # torch's checkpoint into funcshard, W=2
+        assert count == 11 and all(torch.equal(got[k], ref12[k]) for k in ref12)
     loaded = run_ranks(1, _mixed_load, path)[0]
     assert loaded[3] == saved["saved"][3] == 10
     muon_keys, adam_keys = ("a.weight", "b.weight"), ("inp.weight", "inp.bias", "norm.weight", "out.bias")
