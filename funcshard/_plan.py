@@ -128,9 +128,7 @@ class Plan:
             ``FUNCSHARD_TIMEOUT`` environment variable, else 300; 0 or inf: no bound of funcshard's own).
         check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
             (``_runtime/check.py``); off by default (a store round trip per collective).
-        owner_steps: the optimizer step's owner exchanges (:meth:`with_optimizer`: one ``OwnerStep`` per whole-matrix
-            transformation: who owns which matrix, the all-to-alls in issue order with every rank's bytes, every
-            rank's FLOPs and extra memory); printed and listed by :meth:`collective_order`. Empty: not given.
+        owner_steps: the optimizer step's owner exchanges, ``_owner.OwnerStep`` each (:meth:`with_optimizer`).
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -335,29 +333,22 @@ class Plan:
         return self.replace(groups=groups)
 
     def with_optimizer(self, optimizer: Any, params: Iterable[str] | None = None) -> Plan:
-        """A copy that knows the optimizer step's owner exchanges: its printout shows who owns which matrix (beside
-        each parameter, and as a table with every rank's FLOPs, all-to-all bytes and extra memory) and lists the
-        all-to-alls after the step's collectives, as does :meth:`collective_order`; :attr:`owner_steps` holds them as
-        data. ``funcshard.cost.estimate(plan, ..., optimizer=tx)`` gives the same figures with their time.
+        """A copy that prints (and lists in :meth:`collective_order`) the optimizer's owner exchanges: ``owner_steps``.
 
         Args:
-            optimizer: a ``funcshard.optim`` transformation: ``optim.muon``, ``optim.owner_compute``, an
-                ``optim.multi_transform`` or a ``chain`` holding one (built with ``plan=`` a plan of the same
-                parameters and world size); one without owner ranks (``optim.adamw``) leaves the step as it was.
-            params: the paths the optimizer is given (a state dict or its keys); default: the trained
-                floating-point parameters.
+            optimizer: ``optim.muon``, ``optim.owner_compute``, an ``optim.multi_transform`` or a ``chain`` holding
+                one, built with ``plan=`` a plan of these shards; one without owners (``optim.adamw``) adds nothing.
+            params: the paths the optimizer is given (a dict or its keys); default: the trained floating-point ones.
 
         Returns:
             The new plan (this one is not changed).
         """
-        return self.replace(owner_steps=owner_steps(self, optimizer, None if params is None else list(params),
-                                                    where="Plan.with_optimizer"))
+        return self.replace(owner_steps=owner_steps(self, optimizer, params, where="Plan.with_optimizer"))
 
     # ---- printing ----------------------------------------------------------------------------
     def collective_order(self) -> list[str]:
-        """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group
-        and dtype), as the runtime issues them with this schedule when modules run in plan order; then the
-        optimizer step's all-to-alls (:meth:`with_optimizer`)."""
+        """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group and dtype;
+        then the optimizer's all-to-alls: :meth:`with_optimizer`), as the runtime issues them in plan order."""
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
@@ -371,8 +362,6 @@ class Plan:
             + ("; check mode" if self.check else ""),
         ]
         step = schedule(self)
-        owned = {e.path: f"  [owner: rank {e.owner}{f', {s.label!r}' if s.label else ''}]"
-                 for s in self.owner_steps for e in s.owners.entries}
         for g in self.groups:
             nbytes = step.unsharded_nbytes(g.name)
             dtypes = sorted({str(self.specs[p].dtype).removeprefix("torch.") for p in g.params})
@@ -389,14 +378,10 @@ class Plan:
                                                if g.offload_to_cpu else None))
                     if v is not None and v is not True)
             )
-            lines.extend(f"    {self.specs[p].describe()}{owned.get(p, '')}" for p in g.params)
+            lines.extend(f"    {_described(self, p)}" for p in g.params)
         lines.append("  one step:")
         lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(self.mesh)}" for i, line in enumerate(step.lines(), 1))
-        n = len(step.ops)
-        for s in self.owner_steps:
-            where = f"  [all-to-all on axis {axis_name(self.mesh, self.shard_axis)} ({self.world} ranks)]"
-            lines.extend(f"    {n + i:>3}. {c.line()}{where}" for i, c in enumerate(s.collectives, 1))
-            n += len(s.collectives)
+        lines += _owner_lines(self, len(step.ops))
         totals = step.totals()
         lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
                      f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
@@ -415,9 +400,24 @@ class Plan:
         kept = step.kept_after_forward()
         lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
                      f"(groups not resharded, or resharded to fewer ranks)")
-        for s in self.owner_steps:  # (Plan.with_optimizer)
-            lines.extend(f"  {line}" for line in s.lines())
+        lines += [f"  {line}" for s in self.owner_steps for line in s.lines()]  # (with_optimizer)
         return "\n".join(lines)
+
+
+def _described(plan: Plan, path: str) -> str:
+    """A parameter's line of the printout: its spec, and its owner rank when an owner exchange (``with_optimizer``)
+    owns it."""
+    marks = plan.derived("owner_marks", lambda p: {
+        e.path: f"  [owner: rank {e.owner}{f', {s.label!r}' if s.label else ''}]" for s in p.owner_steps
+        for e in s.owners.entries})
+    return plan.specs[path].describe() + marks.get(path, "")
+
+
+def _owner_lines(plan: Plan, n: int) -> list[str]:
+    """The optimizer step's all-to-alls (``Plan.with_optimizer``) as the printout numbers them, after ``n`` ops."""
+    where = f"  [all-to-all on axis {axis_name(plan.mesh, plan.shard_axis)} ({plan.world} ranks)]"
+    collectives = [c for s in plan.owner_steps for c in s.collectives]
+    return [f"    {n + i:>3}. {c.line()}{where}" for i, c in enumerate(collectives, 1)]
 
 
 # ---- building a plan ---------------------------------------------------------------------------
