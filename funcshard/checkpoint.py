@@ -9,7 +9,9 @@ presented to DCP as a piece of its global tensor (``state_dict``), so a checkpoi
 layout) loads at another, and checkpoints cross-load with FSDP2 + ``torch.optim.AdamW`` / ``SGD``: keys
 ``model.<path>`` (tied parameters under every name, as ``get_model_state_dict``), ``optim.state.<path>.exp_avg`` /
 ``exp_avg_sq`` / ``momentum_buffer`` / ``step`` and, when ``tx`` says what torch optimizer it is,
-``optim.param_groups``.
+``optim.param_groups`` (an ``optim.multi_transform``: one torch optimizer's per label, as FSDP2 with several optimizers
+writes them). ``optim.owner_compute``'s state, each matrix's on its owner, goes whole under ``optim.owned.<path>.<leaf>``
+(any world size's owners read it).
 
 Saves commit by a rename once every rank has written (``_checkpoint_commit``: a save killed half-way leaves the previous
 checkpoint in place); ``async_save`` copies the state and writes in the background. ``init_state`` / ``init_module``

@@ -540,6 +540,21 @@ def test_module_muon_refuses_non_matrices_and_adds_groups():
     assert torch.equal(w, w2) and torch.equal(v, v2)
 
 
+def test_module_muon_takes_torch_lr_schedulers():
+    # optim.Muon is a torch.optim.Optimizer: a torch LR scheduler drives its param_groups as torch.optim.Muon's
+    w = nn.Parameter(torch.randn(6, 4))
+    w2 = nn.Parameter(w.detach().clone())
+    opt, ref = optim.Muon([("w", w)], lr=0.02), torch.optim.Muon([w2], lr=0.02)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda count: 1 / (1 + count)) for o in (opt, ref)]
+    for step in range(3):
+        w.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        w2.grad = w.grad.clone()
+        for o, sched in zip((opt, ref), scheds):
+            o.step()
+            sched.step()
+    assert torch.equal(w, w2) and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 0.02 / 4
+
+
 def _module_dcp(path, save, kind="fsdp2"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
