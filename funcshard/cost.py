@@ -28,7 +28,6 @@ difference from rank 0 (padding sits on the last ranks; the prediction is rank 0
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any

@@ -1681,7 +1681,10 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
     def torch_param_groups(count, params):
         """torch's ``param_groups`` of the labels' optimizers, one after another (``get_optimizer_state_dict(model,
         [opt_a, opt_b])``'s): each label's group(s) with its hyperparameters at ``count`` and its parameters among
-        ``params`` (path -> shard, in their order); a label given none of them has no group."""
+        ``params`` (path -> shard, in their order; with a dict ``labels``, those it labels: a checkpoint's parameters
+        without optimizer state are every parameter, frozen ones too); a label given none of them has no group."""
+        if isinstance(labels, dict):
+            params = {k: v for k, v in params.items() if k in labels}
         labs = label_of(params, "params")
         out = []
         for name, t in transforms.items():
@@ -1716,5 +1719,5 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {k: outs[labs[k]][k] for k in params}, MultiTransformState(new)
 
     out = _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners, transforms=dict(transforms))
-    out.torch_param_groups = tx.torch_param_groups
+    out.torch_param_groups = getattr(tx, "torch_param_groups", None)
     return out
