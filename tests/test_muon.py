@@ -469,21 +469,23 @@ def _module_parity(kind, shape=None, steps=10):
     got = {k: p.full_tensor() if kind != "plain" else p.detach() for k, p in model.named_parameters()}
     want = dict(ref.named_parameters())
     equal = all(torch.equal(got[k], want[k].detach()) for k in got)
-    return equal, max((got[k] - want[k]).abs().max().item() for k in got), [str(o) for o in opt.owners()]
+    return equal, max((got[k] - want[k]).abs().max().item() for k in got), [str(o) for o in opt.owners()], \
+        [str(s) for s in opt.owner_steps()]
 
 
 @pytest.mark.parametrize("kind", ["funcshard", "fsdp2"])
 def test_module_muon_equals_torch_muon(kind):
     # fully_shard's and FSDP2's Shard(0) DTensors, uneven (an empty shard at W=4 would be slow: W=2 here, 10 steps)
-    for equal, diff, owners in run_ranks(2, _module_parity, kind):
+    for equal, diff, owners, steps in run_ranks(2, _module_parity, kind):
         assert equal, diff
         assert len(owners) == 1 and "0.weight" in owners[0]
+        assert len(steps) == 1 and "owners: 5 whole matrices over 2 ranks" in steps[0] and "6 all-to-alls" in steps[0]
     assert run_ranks(1, _module_parity, "plain")[0][0]  # an unsharded model: torch.optim.Muon bit for bit
 
 
 def test_module_muon_hsdp_owners_within_shard_group():
     # HSDP (replicate 2, shard 2): owners among the shard group's 2 ranks, replicas compute the same
-    for equal, diff, owners in run_ranks(4, _module_parity, "fsdp2", (2, 2), 3):
+    for equal, diff, owners, _ in run_ranks(4, _module_parity, "fsdp2", (2, 2), 3):
         assert equal, diff
         assert "over 2 ranks" in owners[0]
 
