@@ -1253,11 +1253,11 @@ import math  # noqa: E402
 
 from funcshard import _muon  # noqa: E402
 from funcshard._muon import Muon  # noqa: E402
-from funcshard._owner import Exchange, Owned, Owners, assign_owners, ns_flops  # noqa: E402
+from funcshard._owner import Exchange, Owned, OwnerCollective, Owners, OwnerStep, assign_owners, ns_flops  # noqa: E402
 from funcshard._spec import ShardingError  # noqa: E402
 
-__all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners", "multi_transform", "muon",
-            "owner_compute"]
+__all__ += ["Muon", "MultiTransformState", "OwnerCollective", "OwnerComputeState", "OwnerStep", "Owned", "Owners",
+            "multi_transform", "muon", "owner_compute"]
 
 
 class OwnerComputeState(NamedTuple):
