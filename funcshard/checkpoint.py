@@ -412,7 +412,8 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
     checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``; a checkpoint without steps, as
     torch's SGD writes, gives 1 where it holds momentum buffers, 0 where not: torch keeps a learning-rate schedule's
-    count in its scheduler, so a schedule restarts there). The template's moment trees may hold a subset of the
+    count in its scheduler, so a schedule restarts there; torch's Muon + AdamW write steps for AdamW's parameters
+    only, and the count is theirs). The template's moment trees may hold a subset of the
     parameters (frozen ones left out, as torch's optimizers keep no state for parameters they were not given);
     only their state is read. An ``optim.offload`` state loads on the host, pinned as the template's was (its
     checkpoint is ``tx``'s: either loads into the other).
