@@ -133,6 +133,9 @@ def owner_rounds(owners: Owners, keys: Sequence[str]) -> list[list[str]]:
     return [[p[j] for p in per if j < len(p)] for j in range(max(map(len, per), default=0))]
 
 
+TO_OWNERS, BACK = "to the owners", "back from the owners"  # (the two phases, as errors and printouts name them)
+
+
 def by_dtype(keys: Sequence[str], dtype_of: Callable[[str], torch.dtype]) -> list[tuple[str, list[str]]]:
     """``keys`` split by dtype (``(str(dtype), keys in the given order)``, sorted by the dtype's name): one exchange
     per dtype, in this order (``Exchange`` runs them so; ``owner_step`` lists them so)."""
@@ -204,7 +207,7 @@ class Exchange:
         out_splits = [sum(math.prod(b.sizes) for k in mine for b in self.boxes[k][s]) for s in range(W)]
         send = torch.cat(parts) if parts else like.new_empty((0,))
         recv = like.new_empty((sum(out_splits),))
-        return self._start(recv, send, out_splits, in_splits, "to the owners"), recv, mine, like
+        return self._start(recv, send, out_splits, in_splits, TO_OWNERS), recv, mine, like
 
     def _to_finish(self, started) -> dict[str, torch.Tensor]:
         pending, recv, mine, like = started
@@ -245,7 +248,7 @@ class Exchange:
         proto = like[keys[0]]
         send = torch.cat(parts) if parts else proto.new_empty((0,), dtype=dtype)
         recv = proto.new_empty((sum(out_splits),), dtype=dtype)
-        return self._start(recv, send, out_splits, in_splits, "back from the owners"), recv, frm
+        return self._start(recv, send, out_splits, in_splits, BACK), recv, frm
 
     def _back_finish(self, started, out: dict[str, torch.Tensor]) -> None:
         pending, recv, frm = started
@@ -298,9 +301,6 @@ class Exchange:
 
 
 # ---- the exchange as data: what a step's all-to-alls move, in issue order (Plan.with_optimizer, cost.owner_costs) --
-
-TO_OWNERS, BACK = "to the owners", "back from the owners"
-
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
