@@ -164,7 +164,7 @@ def _owned(plan: Plan, opt_state: Any) -> list[tuple[str, Any, dict[str, dict[st
             paths, values, _ = tree_flatten_with_path(v)
             for path, leaf in zip(paths, values):
                 if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"{where}.owned[{k!r}]{''.join(f'[{q!r}]' for q in path)} is a "
+                    raise TypeError(f"{where}.owned[{k!r}]{''.join(f'[{q!r}]' for q in path)} is of type "
                                     f"{type(leaf).__name__}; funcshard.checkpoint saves owner_compute state made of "
                                     f"tensors (in dicts, lists, tuples). Fix: keep it as a tensor (e.g. "
                                     f"torch.tensor(x)) in init_state and fn")

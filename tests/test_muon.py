@@ -423,7 +423,7 @@ def test_owner_compute_state_checkpoint_at_another_world_size(tmp_path):
     assert loaded[1] == 2 and loaded[2] == sorted(saved[0][2] + saved[1][2]) and saved[0][2] and saved[1][2]
     assert all(torch.equal(loaded[0][k], saved[0][0][k]) for k in saved[0][0])
     for _, _, owned, refused in saved:  # a leaf that is not a tensor: named, with the fix
-        assert f"opt_state.owned[{owned[0]!r}]['n'] is a int; funcshard.checkpoint saves owner_compute state made " \
+        assert f"opt_state.owned[{owned[0]!r}]['n'] is of type int; funcshard.checkpoint saves owner_compute state made " \
                f"of tensors" in refused and "Fix:" in refused
 
 
