@@ -298,11 +298,41 @@ def _torch_mixed_load(path):
     ref, ref_named, ref_opts = build(0, (0.02, 1e-2))
     train(ref, ref_named, ref_opts, range(11))
     equal = all(torch.equal(p, ref_named[k]) for k, p in named.items())
+    ref11 = {k: p.detach().clone() for k, p in ref_named.items()}
     # and back: torch's checkpoint after its 11th step (no step beside Muon's momentum buffers, as torch keeps none)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)},
              checkpoint_id=path + "-torch")
     train(ref, ref_named, ref_opts, [11])
-    return lrs, equal, {k: p.detach() for k, p in ref_named.items()}
+    return lrs, equal, {k: p.detach() for k, p in ref_named.items()}, ref11
+
+
+def _fsdp2_mixed_load(path):
+    """The module path: FSDP2 with optim.Muon (funcshard's, exact on DTensor shards) and torch's AdamW loads the
+    functional path's checkpoint at W=2 (DCP, param_groups by label), then an 11th step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(1)
+    model = _Mixed()
+    torch.distributed.fsdp.fully_shard(model, mesh=_mesh())
+    named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    muon = [k for k, p in named.items() if p.ndim == 2 and k not in ("inp.weight", "out.weight")]
+    # (unnamed: a group with param_names makes DCP ask the checkpoint for them, which funcshard's do not hold)
+    opts = (optim.Muon([named[k] for k in muon], lr=0.5),
+            torch.optim.AdamW([p for k, p in named.items() if k not in muon], lr=0.5, foreach=True))
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opts, sd["optim"])
+    full = _grads({k: type("S", (), {"shape": tuple(p.shape)}) for k, p in model.named_parameters()}, 10,
+                  torch.float32)
+    for k, p in named.items():
+        p.grad = distribute_tensor(full[k], p.device_mesh, p.placements)
+    for o in opts:
+        o.step()
+    return [o.param_groups[0]["lr"] for o in opts], {k: p.full_tensor() for k, p in named.items()}
 
 
 def _mixed_resume(path):
@@ -323,8 +353,10 @@ def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
     # step is torch's own 11th
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _mixed_parity, "step", path)[0]
-    lrs, equal, ref12 = run_ranks(1, _torch_mixed_load, path)[0]
+    lrs, equal, ref12, ref11 = run_ranks(1, _torch_mixed_load, path)[0]
     assert lrs == [0.02, 1e-2] and equal
+    for lrs, got in run_ranks(2, _fsdp2_mixed_load, path):  # the module path (FSDP2, optim.Muon + AdamW) at W=2
+        assert lrs == [0.02, 1e-2] and all(torch.equal(got[k], ref11[k]) for k in ref11)
     for count, got in run_ranks(2, _mixed_resume, path + "-torch"):  # torch's checkpoint into funcshard, W=2
         assert count == 11 and all(torch.equal(got[k], ref12[k]) for k in ref12)
     loaded = run_ranks(1, _mixed_load, path)[0]
