@@ -419,10 +419,11 @@ def test_owner_compute_shampoo_like_and_normalisation_equal_one_process():
         assert "busiest / mean" in text
 
 
-def _owner_compute_resume(path, save):
+def _owner_compute_resume(path, save, mesh_shape=None):
     """Shampoo-like owner_compute: saved after 2 steps (save) or loaded (another world size: other owners), then a
-    third step; returns its gathered update, the loaded count and this rank's owned paths."""
-    plan = funcshard.plan(_model(), _mesh())
+    third step; returns its gathered update, the loaded count and this rank's owned paths. ``mesh_shape``:
+    (replicate, shard) for HSDP."""
+    plan = funcshard.plan(_model(), init_device_mesh("cpu", mesh_shape) if mesh_shape else _mesh())
     rank = plan.shard_group()[1]
     tx = optim.owner_compute(_shampoo, plan=plan, init_state=_shampoo_init)
     state = funcshard.shard(plan)
@@ -460,11 +461,16 @@ def test_owner_compute_state_checkpoint_at_another_world_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_owner_compute_state_checkpoint_w2_to_w4(tmp_path):
+def test_owner_compute_state_checkpoint_w2_to_w4_and_hsdp(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _owner_compute_resume, path, True)[0]
     for update, count, _, _ in run_ranks(4, _owner_compute_resume, path, False):
         assert count == 2 and all(torch.equal(update[k], saved[0][k]) for k in saved[0])
+    # HSDP (replicate 2 x shard 2): both replicas' owners hold (and save) the same states; loaded at W=1
+    hsdp = str(tmp_path / "hsdp")
+    first = run_ranks(4, _owner_compute_resume, hsdp, True, (2, 2))[0]
+    update, count, _, _ = run_ranks(1, _owner_compute_resume, hsdp, False)[0]
+    assert count == 2 and all(torch.equal(update[k], first[0][k]) for k in first[0])
 
 
 # ---- the module path: optim.Muon over fully_shard's and FSDP2's DTensor parameters -------------------------------
