@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from funcshard._owner import Exchange, Owners, assign_owners, ns_flops
+from funcshard._owner import Exchange, Owners, OwnerStep, assign_owners, ns_flops, owner_step
 from funcshard._spec import ShardingError, ShardSpec, make_spec
 
 __all__ = ["DEFAULT_NS_COEFFICIENTS", "EPS", "NS_STEPS", "Muon", "adjust_lr", "check_hyper", "newton_schulz"]
@@ -246,6 +246,13 @@ class Muon(torch.optim.Optimizer):
     def owners(self) -> list[Owners]:
         """Who owns each sharded matrix: one table per param group and shard process group (print them)."""
         return [o for plans in self._plans.values() for (_, _, _, o, _) in plans if o is not None]
+
+    def owner_steps(self) -> list[OwnerStep]:
+        """The step's owner exchanges, one per param group and shard process group (print them): who owns which
+        matrix, the all-to-alls in issue order with every rank's bytes, every rank's FLOPs and extra memory (as
+        ``funcshard.Plan.with_optimizer`` prints them on the functional path)."""
+        return [owner_step(specs, o, torch.bfloat16) for plans in self._plans.values()
+                for (_, _, specs, o, _) in plans if o is not None]
 
     def _init_group(self, group, params, grads, bufs) -> None:
         for p in group["params"]:

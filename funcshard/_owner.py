@@ -17,15 +17,17 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from funcshard._collectives import public_where, wait_work
 from funcshard._compat import FakeTensor
-from funcshard._spec import Box, ShardingError, ShardSpec
+from funcshard._spec import Box, ShardingError, ShardSpec, takes_grad
 
-__all__ = ["Exchange", "Owned", "Owners", "assign_owners", "ns_flops", "owner_rounds"]
+__all__ = ["Exchange", "OwnerCollective", "OwnerStep", "Owned", "Owners", "assign_owners", "by_dtype", "ns_flops",
+           "owner_rounds", "owner_step", "owner_steps"]
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
@@ -131,6 +133,18 @@ def owner_rounds(owners: Owners, keys: Sequence[str]) -> list[list[str]]:
     return [[p[j] for p in per if j < len(p)] for j in range(max(map(len, per), default=0))]
 
 
+TO_OWNERS, BACK = "to the owners", "back from the owners"  # (the two phases, as errors and printouts name them)
+
+
+def by_dtype(keys: Sequence[str], dtype_of: Callable[[str], torch.dtype]) -> list[tuple[str, list[str]]]:
+    """``keys`` split by dtype (``(str(dtype), keys in the given order)``, sorted by the dtype's name): one exchange
+    per dtype, in this order (``Exchange`` runs them so; ``owner_step`` lists them so)."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(str(dtype_of(k)), []).append(k)
+    return sorted(groups.items())
+
+
 def _region(full: torch.Tensor, box: Box) -> torch.Tensor:
     """``box`` as a view of the whole tensor (global coordinates)."""
     for d, (o, n) in enumerate(zip(box.offsets, box.sizes)):
@@ -155,11 +169,8 @@ class Exchange:
         self.boxes = {k: [s.boxes(r) for r in range(self.world)] for k, s in self.specs.items()}
 
     def _by_dtype(self, tensors: Mapping[str, torch.Tensor] | Mapping[str, torch.dtype]) -> list[tuple[str, list]]:
-        groups: dict[str, list[str]] = {}
-        for k in self.specs:
-            v = tensors[k]
-            groups.setdefault(str(v if isinstance(v, torch.dtype) else v.dtype), []).append(k)
-        return sorted(groups.items())
+        return by_dtype(list(self.specs), lambda k: tensors[k] if isinstance(tensors[k], torch.dtype)
+                        else tensors[k].dtype)
 
     def rounds(self, keys: Sequence[str]) -> list[list[str]]:
         return owner_rounds(self.owners, keys)
@@ -196,7 +207,7 @@ class Exchange:
         out_splits = [sum(math.prod(b.sizes) for k in mine for b in self.boxes[k][s]) for s in range(W)]
         send = torch.cat(parts) if parts else like.new_empty((0,))
         recv = like.new_empty((sum(out_splits),))
-        return self._start(recv, send, out_splits, in_splits, "to the owners"), recv, mine, like
+        return self._start(recv, send, out_splits, in_splits, TO_OWNERS), recv, mine, like
 
     def _to_finish(self, started) -> dict[str, torch.Tensor]:
         pending, recv, mine, like = started
@@ -237,7 +248,7 @@ class Exchange:
         proto = like[keys[0]]
         send = torch.cat(parts) if parts else proto.new_empty((0,), dtype=dtype)
         recv = proto.new_empty((sum(out_splits),), dtype=dtype)
-        return self._start(recv, send, out_splits, in_splits, "back from the owners"), recv, frm
+        return self._start(recv, send, out_splits, in_splits, BACK), recv, frm
 
     def _back_finish(self, started, out: dict[str, torch.Tensor]) -> None:
         pending, recv, frm = started
@@ -287,3 +298,198 @@ class Exchange:
                 back = started
             self._back_finish(back, out)
         return {k: out[k] for k in self.specs}
+
+
+# ---- the exchange as data: what a step's all-to-alls move, in issue order (Plan.with_optimizer, cost.owner_costs) --
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerCollective:
+    """One all-to-all of an owner exchange, as :class:`Exchange` issues it.
+
+    Attributes:
+        phase: ``"to the owners"`` (every rank's pieces of the round's matrices to their owners) or ``"back from the
+            owners"`` (the owners' results, as every rank's pieces).
+        round: the round (0 first; round ``j`` holds each owner's ``j``-th matrix of this dtype).
+        rounds: the exchange's rounds of this dtype.
+        dtype: what it moves (Muon: bfloat16, torch's Newton-Schulz input; else the parameters').
+        paths: the round's matrices.
+        owners: their owners (``owners[i]`` owns ``paths[i]``).
+        sent: bytes each rank (the index) sends to the other ranks (a rank's piece of its own matrix stays; padding
+            never travels).
+        received: bytes each rank receives from the other ranks.
+    """
+
+    phase: str
+    round: int
+    rounds: int
+    dtype: torch.dtype
+    paths: tuple[str, ...]
+    owners: tuple[int, ...]
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+
+    def line(self) -> str:
+        """The collective as ``Plan.__str__`` lists it."""
+        arrow = "->" if self.phase == TO_OWNERS else "<-"
+        mats = ", ".join(f"{p} {arrow} rank {o}" for p, o in zip(self.paths, self.owners))
+        return (f"all-to-all {self.phase}, round {self.round + 1}/{self.rounds} "
+                f"({str(self.dtype).removeprefix('torch.')}: {mats}), up to {_size(max(self.sent))} sent per rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerStep:
+    """A whole-matrix transformation's part of one optimizer step (``optim.muon``, ``optim.owner_compute``, each
+    labelled one of an ``optim.multi_transform``): who owns what, the all-to-alls in issue order with every rank's
+    bytes, every rank's FLOPs on the matrices it owns, and its memory beyond the sharded state. ``Plan.with_optimizer``
+    prints it; ``funcshard.cost.owner_costs`` adds the time.
+
+    Attributes:
+        label: the transformation's label in a ``multi_transform`` (``""`` alone).
+        owners: the owner table (:class:`Owners`).
+        collectives: the all-to-alls in the order the exchange issues them (none on one rank).
+        extra_bytes: each rank's memory beyond the sharded state while it updates, as the pipelined exchange holds it
+            (``Exchange.map``): the result shards (and for Muon the bfloat16 copies of the update shards it sends),
+            plus at the worst round its whole matrices in and out, for Newton-Schulz its Gram-matrix pair
+            (``2 m^2``), and the packed send and receive buffers of the three all-to-alls in flight then (the next
+            round's to the owners, this and the last round's back).
+    """
+
+    label: str
+    owners: Owners
+    collectives: tuple[OwnerCollective, ...]
+    extra_bytes: tuple[int, ...]
+
+    def _sum(self, phase: str, field: str) -> tuple[int, ...]:
+        out = [0] * self.owners.world
+        for c in self.collectives:
+            if c.phase == phase:
+                out = [a + b for a, b in zip(out, getattr(c, field))]
+        return tuple(out)
+
+    @property
+    def flops(self) -> tuple[int, ...]:
+        """Each rank's FLOPs on the matrices it owns (the cost the owners were balanced by)."""
+        return tuple(self.owners.loads())
+
+    @property
+    def to_owners_sent(self) -> tuple[int, ...]:
+        """Bytes each rank sends in the all-to-alls to the owners."""
+        return self._sum(TO_OWNERS, "sent")
+
+    @property
+    def to_owners_received(self) -> tuple[int, ...]:
+        """Bytes each rank receives in them (the other ranks' pieces of the matrices it owns)."""
+        return self._sum(TO_OWNERS, "received")
+
+    @property
+    def back_sent(self) -> tuple[int, ...]:
+        """Bytes each rank sends in the all-to-alls back (the other ranks' pieces of its results)."""
+        return self._sum(BACK, "sent")
+
+    @property
+    def back_received(self) -> tuple[int, ...]:
+        """Bytes each rank receives in them (its pieces of the results of the matrices others own)."""
+        return self._sum(BACK, "received")
+
+    def lines(self) -> list[str]:
+        """The owner table and every rank's figures, as ``Plan.__str__`` prints them."""
+        o = self.owners
+        name = f" ({self.label!r})" if self.label else ""
+        out = [f"owners{name}: {len(o.entries)} whole matrices over {o.world} ranks (longest processing time first, "
+               f"by FLOPs), {len(self.collectives)} all-to-alls; busiest / mean FLOPs {o.imbalance():.2f}"]
+        out += str(o).splitlines()[1:-1]  # (the table's rows: path, shape, owner, FLOPs)
+        ts, tr, bs, br = self.to_owners_sent, self.to_owners_received, self.back_sent, self.back_received
+        cols = ("to the owners sent / received", "back sent / received")
+        out.append(f"  {'rank':>4}  {'FLOPs':>9}  {cols[0]:>30}  {cols[1]:>22}  extra memory")
+        out += [f"  {r:>4}  {self.flops[r]:>9.3g}  {_size(ts[r]) + ' / ' + _size(tr[r]):>30}  "
+                f"{_size(bs[r]) + ' / ' + _size(br[r]):>22}  {_size(self.extra_bytes[r])}" for r in range(o.world)]
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def owner_step(specs: Mapping[str, ShardSpec], owners: Owners, wire_dtype: torch.dtype | None = None,
+               label: str = "") -> OwnerStep:
+    """The step of an exchange over ``owners`` (``specs``: path -> spec, every owned path's), moving ``wire_dtype``
+    (None: each parameter's dtype): the one place the exchange's bytes and memory are counted."""
+    w = owners.world
+    dtype = {e.path: wire_dtype or specs[e.path].dtype for e in owners.entries}
+    size = {k: d.itemsize for k, d in dtype.items()}
+    piece = {k: [size[k] * sum(math.prod(b.sizes) for b in specs[k].boxes(r)) for r in range(w)] for k in dtype}
+    out: list[OwnerCollective] = []
+    peak = [0] * w
+    for _, keys in by_dtype(list(dtype), dtype.__getitem__):
+        rounds = owner_rounds(owners, keys)
+        n = len(rounds)
+        # the issue order of ``Exchange.map``: round 0 to the owners, then for each round j the next round's to the
+        # owners and round j's back (tests/test_muon.py holds the two to the same calls)
+        order = [(TO_OWNERS, 0)] + [x for j in range(n) for x in ([(TO_OWNERS, j + 1)] if j + 1 < n else []) +
+                                    [(BACK, j)]]
+        for phase, j in order if w > 1 else ():
+            sent, received = [0] * w, [0] * w
+            for k in rounds[j]:
+                o = owners.owner(k)
+                for r in range(w):
+                    if r != o:
+                        src, dst = (r, o) if phase == TO_OWNERS else (o, r)
+                        sent[src] += piece[k][r]
+                        received[dst] += piece[k][r]
+            out.append(OwnerCollective(phase, j, n, dtype[rounds[j][0]], tuple(rounds[j]),
+                                       tuple(owners.owner(k) for k in rounds[j]), tuple(sent), tuple(received)))
+        for r in range(w):
+            def packed(j: int) -> int:  # a round's packed send + receive buffers on rank r (the same both ways)
+                if not 0 <= j < n:
+                    return 0
+                return sum(piece[k][r] for k in rounds[j]) + sum(
+                    sum(piece[k]) for k in rounds[j] if owners.owner(k) == r)
+            for j, keys_j in enumerate(rounds):
+                own = [k for k in keys_j if owners.owner(k) == r]
+                held = sum(2 * specs[k].numel * size[k] for k in own)  # the whole matrix in, and its result
+                if wire_dtype is not None:  # (Newton-Schulz: X X^T and its update)
+                    held += sum(2 * min(specs[k].shape) ** 2 * size[k] for k in own if len(specs[k].shape) == 2)
+                peak[r] = max(peak[r], held + packed(j - 1) + packed(j) + packed(j + 1))
+    outs = [sum(piece[k][r] for k in piece) for r in range(w)]  # (the result shards, made when the exchange starts)
+    copies = outs if wire_dtype is not None else [0] * w  # (Muon: the bf16 copies of the update shards it sends)
+    return OwnerStep(label, owners, tuple(out), tuple(outs[r] + copies[r] + peak[r] for r in range(w)))
+
+
+def owner_steps(plan: Any, optimizer: Any, keys: Sequence[str] | None = None, *,
+                where: str = "owner_steps") -> tuple[OwnerStep, ...]:
+    """The :class:`OwnerStep` of each whole-matrix transformation in ``optimizer`` (``optim.muon``,
+    ``optim.owner_compute``, those of an ``optim.multi_transform``, or of a ``chain`` holding one) given the
+    parameters ``keys`` of ``plan`` (default: its trained floating-point ones); ``()`` for an optimizer without
+    owners. An optimizer built for a plan of other shards (world size, shapes) raises (``where`` names the caller).
+    """
+    if getattr(optimizer, "owners", None) is None:
+        return ()
+    specs = plan.specs
+    keys = [k for k, s in specs.items() if takes_grad(s.requires_grad, s.dtype)] if keys is None else list(keys)
+    bad = [k for k in keys if k not in specs]
+    if bad:
+        raise ShardingError(f"{where}: keys {bad[:8]} are not parameters of the plan (its parameters: "
+                            f"{list(specs)[:8]}...)")
+    # (as init sees them: this rank's shards, here on the meta device; a multi_transform's callable labels read them)
+    try:
+        tables = optimizer.owners({k: torch.empty(specs[k].local_shape, dtype=specs[k].dtype, device="meta")
+                                   for k in keys})
+    except ShardingError as e:  # (its plan's shards are not this plan's: another world size, other shapes)
+        raise ShardingError(f"{where}: the optimizer does not fit this plan ({plan.world} ranks): {e}. Fix: build "
+                            f"the optimizer with plan= this plan (or pass params= the paths it is given)") from None
+    inner = getattr(optimizer, "transforms", None)
+    if inner is not None:
+        todo = [(label, t, getattr(inner[label], "wire_dtype", None)) for label, t in tables.items()]
+    else:
+        todo = [("", tables, getattr(optimizer, "wire_dtype", None))]
+    for label, owners, _ in todo:
+        wrong = [e.path for e in owners.entries if tuple(e.shape) != tuple(specs[e.path].shape)]
+        if owners.world != plan.world or wrong:
+            raise ShardingError(
+                f"{where}: the optimizer{f' {label!r}' if label else ''} assigns owners over {owners.world} ranks"
+                f"{f' to {wrong[:4]} of other shapes' if wrong else ''}, and this plan shards over {plan.world} "
+                f"ranks: it was built for another plan. Fix: build the optimizer with plan= this plan")
+    return tuple(owner_step(specs, owners, dtype, label) for label, owners, dtype in todo if owners.entries)

@@ -32,6 +32,7 @@ from funcshard._mesh import (
     spmd_dp_mesh,
 )
 from funcshard._offload import offload_fields
+from funcshard._owner import OwnerStep, owner_steps
 from funcshard._policy import (
     MixedPrecisionPolicy,
     check_mp_policy,
@@ -127,6 +128,7 @@ class Plan:
             ``FUNCSHARD_TIMEOUT`` environment variable, else 300; 0 or inf: no bound of funcshard's own).
         check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
             (``_runtime/check.py``); off by default (a store round trip per collective).
+        owner_steps: the optimizer step's owner exchanges, ``_owner.OwnerStep`` each (:meth:`with_optimizer`).
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -143,6 +145,7 @@ class Plan:
     replicate_axis: int | None = None
     timeout: float | None = None
     check: bool = False
+    owner_steps: tuple[OwnerStep, ...] = dataclasses.field(default=(), repr=False)
     # what other modules derive from the plan (layouts, schedule, runtime facts): computed once per Plan object,
     # kept with it (a new, edited plan starts empty), so nothing outside holds a plan or its module alive
     _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -329,11 +332,24 @@ class Plan:
         groups = tuple(dataclasses.replace(g, **changes) if g.name == name else g for g in self.groups)
         return self.replace(groups=groups)
 
+    def with_optimizer(self, optimizer: Any, params: Iterable[str] | None = None) -> Plan:
+        """A copy that prints (and lists in :meth:`collective_order`) the optimizer's owner exchanges: ``owner_steps``.
+
+        Args:
+            optimizer: ``optim.muon``, ``optim.owner_compute``, an ``optim.multi_transform`` or a ``chain`` holding
+                one, built with ``plan=`` a plan of these shards; one without owners (``optim.adamw``) adds nothing.
+            params: the paths the optimizer is given (a dict or its keys); default: the trained floating-point ones.
+
+        Returns:
+            The new plan (this one is not changed).
+        """
+        return self.replace(owner_steps=owner_steps(self, optimizer, params, where="Plan.with_optimizer"))
+
     # ---- printing ----------------------------------------------------------------------------
     def collective_order(self) -> list[str]:
-        """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group
-        and dtype), as the runtime issues them with this schedule when modules run in plan order."""
-        return schedule(self).lines()
+        """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group and dtype;
+        then the optimizer's all-to-alls: :meth:`with_optimizer`), as the runtime issues them in plan order."""
+        return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
         lines = [
@@ -362,9 +378,10 @@ class Plan:
                                                if g.offload_to_cpu else None))
                     if v is not None and v is not True)
             )
-            lines.extend(f"    {self.specs[p].describe()}" for p in g.params)
+            lines.extend(f"    {_described(self, p)}" for p in g.params)
         lines.append("  one step:")
         lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(self.mesh)}" for i, line in enumerate(step.lines(), 1))
+        lines += _owner_lines(self, len(step.ops))
         totals = step.totals()
         lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
                      f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
@@ -383,7 +400,24 @@ class Plan:
         kept = step.kept_after_forward()
         lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
                      f"(groups not resharded, or resharded to fewer ranks)")
+        lines += [f"  {line}" for s in self.owner_steps for line in s.lines()]  # (with_optimizer)
         return "\n".join(lines)
+
+
+def _described(plan: Plan, path: str) -> str:
+    """A parameter's line of the printout: its spec, and its owner rank when an owner exchange (``with_optimizer``)
+    owns it."""
+    marks = plan.derived("owner_marks", lambda p: {
+        e.path: f"  [owner: rank {e.owner}{f', {s.label!r}' if s.label else ''}]" for s in p.owner_steps
+        for e in s.owners.entries})
+    return plan.specs[path].describe() + marks.get(path, "")
+
+
+def _owner_lines(plan: Plan, n: int) -> list[str]:
+    """The optimizer step's all-to-alls (``Plan.with_optimizer``) as the printout numbers them, after ``n`` ops."""
+    where = f"  [all-to-all on axis {axis_name(plan.mesh, plan.shard_axis)} ({plan.world} ranks)]"
+    collectives = [c for s in plan.owner_steps for c in s.collectives]
+    return [f"    {n + i:>3}. {c.line()}{where}" for i, c in enumerate(collectives, 1)]
 
 
 # ---- building a plan ---------------------------------------------------------------------------

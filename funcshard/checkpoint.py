@@ -9,7 +9,9 @@ presented to DCP as a piece of its global tensor (``state_dict``), so a checkpoi
 layout) loads at another, and checkpoints cross-load with FSDP2 + ``torch.optim.AdamW`` / ``SGD``: keys
 ``model.<path>`` (tied parameters under every name, as ``get_model_state_dict``), ``optim.state.<path>.exp_avg`` /
 ``exp_avg_sq`` / ``momentum_buffer`` / ``step`` and, when ``tx`` says what torch optimizer it is,
-``optim.param_groups``.
+``optim.param_groups`` (an ``optim.multi_transform``: one torch optimizer's per label, as FSDP2 with several optimizers
+writes them). ``optim.owner_compute``'s state, each matrix's on its owner, goes whole under ``optim.owned.<path>.<leaf>``
+(any world size's owners read it).
 
 Saves commit by a rename once every rank has written (``_checkpoint_commit``: a save killed half-way leaves the previous
 checkpoint in place); ``async_save`` copies the state and writes in the background. ``init_state`` / ``init_module``
@@ -38,6 +40,7 @@ from funcshard._offload import HOST, place_state, to_host
 from funcshard._plan import Plan, module_params
 from funcshard._shard import _fail, check_state
 from funcshard._spec import ShardingError
+from funcshard._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["MODEL", "OPTIM", "async_save", "export_full", "import_full", "init_module", "init_state", "load", "save", "state_dict"]
 
@@ -105,6 +108,8 @@ def _per_param(plan: Plan, opt_state: Any) -> tuple[list[_Tree], int]:
     for where, part, host in _parts(opt_state):
         if "count" in part._fields:
             counts.add(part.count)
+        if isinstance(part, optim.OwnerComputeState):  # (whole matrices' state on their owners: _owned)
+            continue
         names = _TORCH_NAMES.get(type(part))
         if names is None:
             if any(isinstance(v, (torch.Tensor, Mapping)) for v in part):
@@ -133,6 +138,39 @@ def _held(plan: Plan, opt_state: Any, trees: list) -> list[str]:
         return list(plan.specs)
     keys = {k for t in trees for k in t.tree}
     return [k for k in plan.specs if k in keys]
+
+
+OWNED = "owned"
+"""The key, inside ``optim``, of ``optim.owner_compute``'s state: ``optim.owned.<path>.<leaf>``, each a whole matrix's
+state as its owner holds it (a plain tensor: any rank of any world size reads it whole)."""
+
+
+def _owned(plan: Plan, opt_state: Any) -> list[tuple[str, Any, dict[str, dict[str, torch.Tensor]]]]:
+    """``optim.owner_compute``'s states in ``opt_state``: ``(where, part, {path: {leaf name: tensor}})`` for the
+    matrices this rank owns (their owners hold them; another world size's owners read them by path). A leaf that is
+    not a tensor, or two states of one path, raise naming it."""
+    out, seen = [], {}
+    for where, part, _ in _parts(opt_state):
+        if not isinstance(part, optim.OwnerComputeState) or part.owned is None:
+            continue
+        leaves: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in part.owned.items():
+            if k not in plan.specs:
+                raise ShardingError(f"{where}.owned holds {k!r}, not a parameter of the plan; pass the optimizer "
+                                    f"state of this plan's state (tx.init(state))")
+            if seen.setdefault(k, where) != where:
+                raise ShardingError(f"{where}: two owner_compute states of {k!r} (the other at {seen[k]}) would be "
+                                    f"saved under one name; give each parameter to one owner_compute")
+            paths, values, _ = tree_flatten_with_path(v)
+            for path, leaf in zip(paths, values):
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"{where}.owned[{k!r}]{''.join(f'[{q!r}]' for q in path)} is of type "
+                                    f"{type(leaf).__name__}; funcshard.checkpoint saves owner_compute state made of "
+                                    f"tensors (in dicts, lists, tuples). Fix: keep it as a tensor (e.g. "
+                                    f"torch.tensor(x)) in init_state and fn")
+            leaves[k] = {"/".join(map(str, path)) or "value": leaf for path, leaf in zip(paths, values)}
+        out.append((where, part, leaves))
+    return out
 
 
 def state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *,
@@ -187,8 +225,15 @@ def _state_dict(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any, t
             for k in tree:
                 per[k][t.name] = present(specs[k], take(tree[k]), mesh, rank)
         out[OPTIM] = {"state": per}
+        owned = {k: {name: take(t) for name, t in v.items()} for _, _, leaves in _owned(plan, opt_state)
+                 for k, v in leaves.items()}
+        if owned:
+            out[OPTIM][OWNED] = owned
+        groups = getattr(tx, "torch_param_groups", None)  # (optim.multi_transform: one torch optimizer per label)
         group = getattr(tx, "torch_param_group", None)
-        if group is not None:
+        if groups is not None:
+            out[OPTIM]["param_groups"] = groups(step, {k: state[k] for k in held})
+        elif group is not None:
             out[OPTIM]["param_groups"] = [{**group(step), "params": held}]
     return out
 
@@ -367,7 +412,8 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     state's structure (``tx.init(state)`` of any state of this plan, or the current one), filled from the
     checkpoint's ``optim`` part (all of its counts set to the checkpoint's ``step``; a checkpoint without steps, as
     torch's SGD writes, gives 1 where it holds momentum buffers, 0 where not: torch keeps a learning-rate schedule's
-    count in its scheduler, so a schedule restarts there). The template's moment trees may hold a subset of the
+    count in its scheduler, so a schedule restarts there; torch's Muon + AdamW write steps for AdamW's parameters
+    only, and the count is theirs). The template's moment trees may hold a subset of the
     parameters (frozen ones left out, as torch's optimizers keep no state for parameters they were not given);
     only their state is read. An ``optim.offload`` state loads on the host, pinned as the template's was (its
     checkpoint is ``tx``'s: either loads into the other).
@@ -412,19 +458,31 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
     problems += [f"  {k}: in the checkpoint, not a parameter or buffer of the planned module (extra key)"
                  for k in md if k.startswith(f"{MODEL}.") and k not in known]
     trees: list = []
+    owned: list = []  # (optim.owner_compute's states: _owned)
     stepped: list[str] = []  # the parameters whose step the checkpoint holds (torch's SGD saves none)
     if opt_state is not None:
         trees, _ = _per_param(plan, opt_state)
         held = _held(plan, opt_state, trees)
         stepped = [k for k in held if f"{OPTIM}.state.{k}.step" in md]
-        if stepped and len(stepped) < len(held):
+        # torch's SGD and Muon keep no step beside a momentum buffer (a checkpoint of torch's Muon + AdamW has
+        # steps for the AdamW parameters only): those may lack it; any other parameter may not
+        kinds: dict[str, set[str]] = {}
+        for t in trees:
+            for k in t.tree:
+                kinds.setdefault(k, set()).add(t.name)
+        if stepped:
             problems += [f"  {OPTIM}.state.{k}.step: missing (the checkpoint has it for {stepped[0]})"
-                         for k in held if k not in stepped]
+                         for k in held if k not in stepped and not (k in kinds and kinds[k] <= {"momentum_buffer"})]
         for k in stepped:
             _expect(problems, md, f"{OPTIM}.state.{k}.step", (), torch.float32)
         for t in trees:
             for k in t.tree:
                 _expect(problems, md, f"{OPTIM}.state.{k}.{t.name}", specs[k].global_shape, specs[k].dtype)
+        owned = _owned(plan, opt_state)
+        for _, _, leaves in owned:
+            for k, v in leaves.items():
+                for name, t in v.items():
+                    _expect(problems, md, f"{OPTIM}.{OWNED}.{k}.{name}", tuple(t.shape), t.dtype)
     if problems:
         raise _fail(plan, f"checkpoint {checkpoint_id} does not fit the plan", problems,
                     "Load a checkpoint of this model (same parameter names, shapes and dtypes), or plan the model "
@@ -449,6 +507,11 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
             filled[id(t.part), t.field] = tree
             for k in tree:
                 sd[OPTIM]["state"].setdefault(k, {})[t.name] = present(specs[k], tree[k], mesh, rank)
+        for _, part, leaves in owned:  # (this rank's matrices under this world size's owners, each read whole)
+            new_owned = {k: {name: torch.empty_like(t) for name, t in v.items()} for k, v in leaves.items()}
+            filled[id(part), "owned"] = new_owned
+            if new_owned:
+                sd[OPTIM].setdefault(OWNED, {}).update(new_owned)
     dcp_kwargs.setdefault("process_group", _dcp_group(plan))
     try:
         dcp.load(sd, checkpoint_id=checkpoint_id, **dcp_kwargs)
@@ -468,6 +531,9 @@ def load(plan: Plan, checkpoint_id: str, opt_state: Any = None, *, state: Mappin
         tree = filled[id(t.part), t.field]
         for k in tree:
             tree[k] = _retyped(t.tree[k], tree[k], f"{t.where}.{t.field}[{k!r}]")
+    for _, part, _ in owned:  # (each matrix's state in its template's structure)
+        filled[id(part), "owned"] = {k: tree_unflatten(tree_flatten(v)[1], list(filled[id(part), "owned"][k].values()))
+                                     for k, v in part.owned.items()}
     with torch.no_grad():
         for k, b in buffers.items():
             b.copy_(new_buffers[k])

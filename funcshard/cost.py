@@ -28,7 +28,6 @@ difference from rank 0 (padding sits on the last ranks; the prediction is rank 0
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -785,80 +784,33 @@ class OwnerCost:
 def owner_costs(plan: Plan, optimizer: Any, *, hardware: Hardware | None = None,
                 keys: Sequence[str] | None = None) -> tuple[OwnerCost, ...]:
     """The owner exchange and compute of ``optimizer`` per step on ``plan``: one :class:`OwnerCost` per
-    whole-matrix transformation (``optim.muon`` / ``optim.owner_compute``, or those inside an
-    ``optim.multi_transform``; none for other optimizers, or a ``chain`` around one: pass the transformation
-    itself). :func:`estimate` includes these (``Cost.owners``).
+    whole-matrix transformation (``optim.muon`` / ``optim.owner_compute``, those inside an ``optim.multi_transform``,
+    or one inside a ``chain``; none for other optimizers). :func:`estimate` includes these (``Cost.owners``); the
+    bytes and memory are the plan's printout's (``Plan.with_optimizer``: the same ``OwnerStep``).
 
     Args:
         plan: the :class:`funcshard.Plan` the optimizer was built for (its specs give the pieces' sizes).
-        optimizer: the transformation (``optim.muon``, ``optim.owner_compute`` or an ``optim.multi_transform``);
-            any other gives ``()``.
+        optimizer: the transformation (``optim.muon``, ``optim.owner_compute``, an ``optim.multi_transform``, or a
+            ``chain`` holding one); any other gives ``()``.
         hardware: figures for ``exchange_s`` and ``compute_s`` (None: those stay None).
         keys: the parameters given to ``optimizer`` (default: the plan's trained floating-point ones).
 
     Returns:
         One :class:`OwnerCost` per whole-matrix transformation that owns at least one matrix.
     """
-    if getattr(optimizer, "owners", None) is None:
-        return ()
-    keys = list(_shard_shapes(plan)) if keys is None else list(keys)
-    bad = [k for k in keys if k not in plan.specs]
-    if bad:
-        raise ShardingError(f"cost.owner_costs: keys {bad[:8]} are not parameters of the plan (its parameters: "
-                            f"{list(plan.specs)[:8]}...)")
-    # (as init sees them: this rank's shards, here on the meta device; a multi_transform's callable labels read them)
-    tables = optimizer.owners({k: torch.empty(plan.specs[k].local_shape, dtype=plan.specs[k].dtype, device="meta")
-                               for k in keys})
-    inner = getattr(optimizer, "transforms", None)
-    if inner is not None:
-        todo = [(label, t, getattr(inner[label], "wire_dtype", None)) for label, t in tables.items()]
-    else:
-        todo = [("", tables, getattr(optimizer, "wire_dtype", None))]
-    return tuple(_owner_cost(plan, label, owners, dtype, hardware) for label, owners, dtype in todo if owners.entries)
+    from funcshard._owner import owner_steps
+
+    return tuple(_owner_cost(s, hardware) for s in owner_steps(plan, optimizer, keys, where="cost.owner_costs"))
 
 
-def _owner_cost(plan: Plan, label: str, owners: Any, wire_dtype: torch.dtype | None,
-                hw: Hardware | None) -> OwnerCost:
-    from funcshard._owner import owner_rounds
-
-    w = owners.world
-    out_s, out_r, back_s, back_r, outs = ([0] * w for _ in range(5))
-    size = {e.path: torch.empty((), dtype=wire_dtype or plan.specs[e.path].dtype).element_size()
-            for e in owners.entries}
-    piece = {e.path: [size[e.path] * sum(math.prod(b.sizes) for b in plan.specs[e.path].boxes(r)) for r in range(w)]
-             for e in owners.entries}
-    for e in owners.entries:
-        for r in range(w):
-            outs[r] += piece[e.path][r]  # (the result shards, made when the exchange starts)
-            if r != e.owner:
-                out_s[r] += piece[e.path][r]
-                out_r[e.owner] += piece[e.path][r]
-                back_s[e.owner] += piece[e.path][r]
-                back_r[r] += piece[e.path][r]
-    # the pipelined rounds (``Exchange.map``): while round j computes, round j+1's to-owners all-to-all and rounds
-    # j and j-1's way back are in flight; each all-to-all holds its packed send and receive buffers
-    rounds = owner_rounds(owners, [e.path for e in owners.entries])
-    peak = [0] * w
-    for r in range(w):
-        def packed(j: int) -> int:  # a round's send + receive bytes on rank r (the same both ways)
-            if not 0 <= j < len(rounds):
-                return 0
-            return sum(piece[k][r] for k in rounds[j]) + sum(
-                sum(piece[k]) for k in rounds[j] if owners.owner(k) == r)
-        for j, keys in enumerate(rounds):
-            own = [k for k in keys if owners.owner(k) == r]
-            held = sum(2 * plan.specs[k].numel * size[k] for k in own)  # the whole matrix in, and its result
-            if wire_dtype is not None:  # (Newton-Schulz: X X^T and its update)
-                held += sum(2 * min(plan.specs[k].shape) ** 2 * size[k] for k in own if len(plan.specs[k].shape) == 2)
-            peak[r] = max(peak[r], held + packed(j - 1) + packed(j) + packed(j + 1))
-    copies = outs if wire_dtype is not None else [0] * w  # (Muon: the bf16 copies of the update shards it sends)
-    extra = tuple(outs[r] + copies[r] + peak[r] for r in range(w))
-    flops = tuple(owners.loads())
+def _owner_cost(step: Any, hw: Hardware | None) -> OwnerCost:
+    w = step.owners.world
+    out_s, out_r, back_s, back_r = step.to_owners_sent, step.to_owners_received, step.back_sent, step.back_received
+    flops = step.flops
     exchange = compute = None
-    if hw is not None:
-        exchange = 0.0 if w == 1 else (2 * len(rounds) * hw.latency_s + max(max(out_s[r], out_r[r]) for r in range(w))
-                                       / hw.link_bytes_per_s + max(max(back_s[r], back_r[r]) for r in range(w))
-                                       / hw.link_bytes_per_s)
+    if hw is not None:  # (each all-to-all's latency, and the busiest rank's larger of sent and received each way)
+        exchange = 0.0 if w == 1 else (len(step.collectives) * hw.latency_s + max(max(out_s[r], out_r[r])
+                                       for r in range(w)) / hw.link_bytes_per_s + max(max(back_s[r], back_r[r])
+                                       for r in range(w)) / hw.link_bytes_per_s)
         compute = tuple(f / hw.flops_per_s for f in flops)
-    return OwnerCost(label, owners, tuple(out_s), tuple(out_r), tuple(back_s), tuple(back_r), extra, flops,
-                     exchange, compute)
+    return OwnerCost(step.label, step.owners, out_s, out_r, back_s, back_r, step.extra_bytes, flops, exchange, compute)

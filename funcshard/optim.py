@@ -816,7 +816,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     update_fn.reads_all_params = any(getattr(t.update, "reads_all_params", False) for t in transforms)
     last = transforms[-1] if transforms else None
     if not isinstance(last, TorchOptimizer):
-        return GradientTransformation(init_fn, update_fn)
+        return _chain_owners(GradientTransformation(init_fn, update_fn), transforms)
 
     def check_exact(grads, state, params):
         check(state)
@@ -836,8 +836,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         params, s = last.exact(grads, state[-1], params, donate=donate)
         return params, state_class(*new_states, s)
 
-    return _torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
-                            last.torch_param_group)
+    return _chain_owners(_torch_optimizer(GradientTransformation(init_fn, update_fn), _checked(exact, check_exact),
+                                          last.torch_param_group), transforms)
 
 
 # --------------------------------------------------------------------------
@@ -1254,16 +1254,17 @@ import math  # noqa: E402
 
 from funcshard import _muon  # noqa: E402
 from funcshard._muon import Muon  # noqa: E402
-from funcshard._owner import Exchange, Owned, Owners, assign_owners, ns_flops  # noqa: E402
+from funcshard._owner import Exchange, Owned, OwnerCollective, Owners, OwnerStep, assign_owners, ns_flops  # noqa: E402
 from funcshard._spec import ShardingError  # noqa: E402
 
-__all__ += ["Muon", "MultiTransformState", "OwnerComputeState", "Owned", "Owners", "multi_transform", "muon",
-            "owner_compute"]
+__all__ += ["Muon", "MultiTransformState", "OwnerCollective", "OwnerComputeState", "OwnerStep", "Owned", "Owners",
+            "multi_transform", "muon", "owner_compute"]
 
 
 class OwnerComputeState(NamedTuple):
-    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only
-    (``funcshard.checkpoint`` does not save it).
+    """State of :func:`owner_compute`. Not sharded like the parameters: each matrix's state lives on its owner only.
+    ``funcshard.checkpoint`` saves each matrix's state (tensors) whole under its path, so a load at another world size
+    gives each matrix's new owner its state.
 
     Attributes:
         count: updates so far.
@@ -1365,7 +1366,8 @@ def owner_compute(fn: Callable[[str, torch.Tensor, Any], tuple[torch.Tensor, Any
             must have ``grad``'s shape and dtype (else the owner raises and the other ranks time out).
         plan: the :class:`funcshard.Plan` whose shards the updates are.
         init_state: ``init_state(path, spec) -> state`` for each matrix, held by its owner only
-            (:class:`OwnerComputeState`; ``funcshard.checkpoint`` does not save it).
+            (:class:`OwnerComputeState`: tensors, in dicts, lists or tuples, for ``funcshard.checkpoint`` to save
+            and load it at any world size).
         cost: ``cost(shape) -> FLOPs`` used to balance the owners.
 
     Returns:
@@ -1422,6 +1424,28 @@ def _with_owners(tx: GradientTransformation, owners: Callable, wire_dtype: torch
     if isinstance(tx, TorchOptimizer):
         out.exact, out.torch_param_group = tx.exact, tx.torch_param_group
     out.owners, out.wire_dtype, out.transforms = owners, wire_dtype, transforms
+    return out
+
+
+def _chain_owners(tx: GradientTransformation, transforms: Sequence[GradientTransformation]) -> GradientTransformation:
+    """A :func:`chain`'s ``tx`` with the ``owners`` of the whole-matrix transformation in it (what the plan's printout
+    and ``funcshard.cost`` read), and its last transformation's torch ``param_groups`` (:func:`multi_transform`'s);
+    ``tx`` itself when none has owners. Two with owners: ``owners`` raises, naming them."""
+    last = transforms[-1] if transforms else None
+    if getattr(last, "torch_param_groups", None) is not None:
+        tx.torch_param_groups = last.torch_param_groups
+    owning = [i for i, t in enumerate(transforms) if getattr(t, "owners", None) is not None]
+    if not owning:
+        return tx
+    if len(owning) > 1:
+        def owners(params):
+            raise ValueError(f"chain: transformations {owning} each have owner ranks; their tables are each one's: "
+                             f"call owners() (or Plan.with_optimizer, cost.owner_costs) on each of them")
+        return _with_owners(tx, owners)
+    t = transforms[owning[0]]
+    out = _with_owners(tx, t.owners, t.wire_dtype, t.transforms)
+    if getattr(tx, "torch_param_groups", None) is not None:
+        out.torch_param_groups = tx.torch_param_groups
     return out
 
 
@@ -1551,9 +1575,12 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
 
     Returns:
         A :class:`GradientTransformation` (state :class:`MultiTransformState`) over ``dict[str, Tensor]`` params; a
-        :class:`TorchOptimizer` when every transformation is one (:func:`step` runs each one's exact step; it has no
-        single torch ``param_groups`` entry: ``torch_param_group`` is None, and a checkpoint holds no
-        ``optim.param_groups``). ``owners(params)`` gives each labelled whole-matrix transformation's
+        :class:`TorchOptimizer` when every transformation is one (:func:`step` runs each one's exact step). When
+        each transformation knows its torch hyperparameters (``optim.muon``, ``optim.adamw``, ``optim.sgd``), a
+        checkpoint holds torch's ``param_groups`` of one torch optimizer per label (``torch_param_groups``), as
+        ``get_optimizer_state_dict(model, [torch.optim.Muon(...), torch.optim.AdamW(...)])`` writes them, so FSDP2
+        with those optimizers loads it (``set_optimizer_state_dict(model, [muon, adamw], ...)``: each label's
+        learning rate and betas too). ``owners(params)`` gives each labelled whole-matrix transformation's
         :class:`Owners` (label -> Owners). Works in :func:`chain`, with ``donate=True`` (every transformation's
         inputs checked before any is donated) and with ``funcshard.checkpoint``.
     """
@@ -1652,8 +1679,28 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         return {name: t.owners([k for k in labs if labs[k] == name]) for name, t in transforms.items()
                 if hasattr(t, "owners")}
 
+    def torch_param_groups(count, params):
+        """torch's ``param_groups`` of the labels' optimizers, one after another (``get_optimizer_state_dict(model,
+        [opt_a, opt_b])``'s): each label's group(s) with its hyperparameters at ``count`` and its parameters among
+        ``params`` (path -> shard, in their order; with a dict ``labels``, those it labels: a checkpoint's parameters
+        without optimizer state are every parameter, frozen ones too); a label given none of them has no group."""
+        if isinstance(labels, dict):
+            params = {k: v for k, v in params.items() if k in labels}
+        labs = label_of(params, "params")
+        out = []
+        for name, t in transforms.items():
+            mine = {k: params[k] for k in params if labs[k] == name}
+            if not mine:
+                continue
+            many = getattr(t, "torch_param_groups", None)
+            out += many(count, mine) if many is not None else [{**t.torch_param_group(count), "params": list(mine)}]
+        return out
+
     tx = _with_owners(GradientTransformation(init_fn, _checked(update_fn, check_all)), owners,
                       transforms=dict(transforms))
+    if all(getattr(t, "torch_param_groups", None) is not None or getattr(t, "torch_param_group", None) is not None
+           for t in transforms.values()):
+        tx.torch_param_groups = torch_param_groups
     if not all(isinstance(t, TorchOptimizer) for t in transforms.values()):
         return tx
 
@@ -1672,5 +1719,6 @@ def multi_transform(transforms: dict[str, GradientTransformation], labels: Any, 
         labs = label_of(grads, "grads")
         return {k: outs[labs[k]][k] for k in params}, MultiTransformState(new)
 
-    return _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners,
-                        transforms=dict(transforms))
+    out = _with_owners(_torch_optimizer(tx, _checked(exact, check_exact), None), owners, transforms=dict(transforms))
+    out.torch_param_groups = getattr(tx, "torch_param_groups", None)
+    return out

@@ -125,7 +125,16 @@ def train_functional(steps: int, make_tx=None):
         losses.append(t.item() / world)
     return {"losses": losses, "params": nbytes(state), "grads": nbytes(grads), "optimizer": nbytes(opt_state),
             "unsharded_params": nbytes(dict(model.named_parameters())),
-            "owners": {k: str(v) for k, v in tx.owners(state).items()} if hasattr(tx, "owners") else None}
+            "owners": _owner_printout(plan, tx, state)}
+
+
+def _owner_printout(plan, tx, state):
+    """The optimizer step's part of the plan's printout (``plan.with_optimizer(tx)``): its all-to-alls, then who owns
+    which matrix with every rank's FLOPs, bytes and extra memory; None for an optimizer without owners."""
+    steps = plan.with_optimizer(tx, state).owner_steps
+    if not steps:
+        return None
+    return "\n".join([*(c.line() for s in steps for c in s.collectives), *(str(s) for s in steps)])
 
 
 def muon_adamw(plan):

@@ -261,10 +261,104 @@ def _mixed_load(path):
             funcshard.gather(plan, {**state, **inner["adamw"][0].mu}), inner["muon"].count)
 
 
+def _torch_mixed_load(path):
+    """The checkpoint loaded by torch's own optimizers, torch.optim.Muon on the hidden matrices and AdamW on the rest
+    (other hyperparameters, other initial values: all from the checkpoint), then an 11th step; against torch trained
+    11 steps in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def build(seed, lrs):
+        torch.manual_seed(seed)
+        model = _Mixed()
+        named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        label = {k: "muon" if p.ndim == 2 and k not in ("inp.weight", "out.weight") else "adamw"
+                 for k, p in named.items()}
+        opts = (torch.optim.Muon([p for k, p in named.items() if label[k] == "muon"], lr=lrs[0]),
+                torch.optim.AdamW([p for k, p in named.items() if label[k] == "adamw"], lr=lrs[1], foreach=True))
+        return model, named, opts
+
+    def train(model, named, opts, steps):
+        for step in steps:
+            full = _grads({k: type("S", (), {"shape": tuple(p.shape)}) for k, p in model.named_parameters()}, step,
+                          torch.float32)
+            for k, p in named.items():
+                p.grad = full[k]
+            for o in opts:
+                o.step()
+
+    model, named, opts = build(1, (0.5, 0.5))
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opts, sd["optim"])
+    lrs = [o.param_groups[0]["lr"] for o in opts]
+    train(model, named, opts, [10])
+    ref, ref_named, ref_opts = build(0, (0.02, 1e-2))
+    train(ref, ref_named, ref_opts, range(11))
+    equal = all(torch.equal(p, ref_named[k]) for k, p in named.items())
+    ref11 = {k: p.detach().clone() for k, p in ref_named.items()}
+    # and back: torch's checkpoint after its 11th step (no step beside Muon's momentum buffers, as torch keeps none)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)},
+             checkpoint_id=path + "-torch")
+    train(ref, ref_named, ref_opts, [11])
+    return lrs, equal, {k: p.detach() for k, p in ref_named.items()}, ref11
+
+
+def _fsdp2_mixed_load(path):
+    """The module path: FSDP2 with optim.Muon (funcshard's, exact on DTensor shards) and torch's AdamW loads the
+    functional path's checkpoint at W=2 (DCP, param_groups by label), then an 11th step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(1)
+    model = _Mixed()
+    torch.distributed.fsdp.fully_shard(model, mesh=_mesh())
+    named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    muon = [k for k, p in named.items() if p.ndim == 2 and k not in ("inp.weight", "out.weight")]
+    # (unnamed: a group with param_names makes DCP ask the checkpoint for them, which funcshard's do not hold)
+    opts = (optim.Muon([named[k] for k in muon], lr=0.5),
+            torch.optim.AdamW([p for k, p in named.items() if k not in muon], lr=0.5, foreach=True))
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opts)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opts, sd["optim"])
+    full = _grads({k: type("S", (), {"shape": tuple(p.shape)}) for k, p in model.named_parameters()}, 10,
+                  torch.float32)
+    for k, p in named.items():
+        p.grad = distribute_tensor(full[k], p.device_mesh, p.placements)
+    for o in opts:
+        o.step()
+    return [o.param_groups[0]["lr"] for o in opts], {k: p.full_tensor() for k, p in named.items()}
+
+
+def _mixed_resume(path):
+    """torch's Muon + AdamW checkpoint loaded into multi_transform at W=2, then a 12th step."""
+    torch.manual_seed(1)
+    plan = funcshard.plan(_Mixed(), _mesh())
+    tx = _mixed_tx(plan)
+    trained = {k: v for k, v in funcshard.shard(plan).items() if plan.specs[k].requires_grad}
+    state, opt_state = checkpoint.load(plan, path, opt_state=tx.init(trained))
+    count = opt_state.inner_states["muon"].count
+    state, opt_state = _mixed_train(plan, tx, state, opt_state, 1, start=11)
+    return count, funcshard.gather(plan, state)
+
+
 def test_checkpoint_multi_transform_w2_to_w1(tmp_path):
-    # Muon's momentum (torch's momentum_buffer) and AdamW's moments saved at W=2, loaded at W=1: bit for bit
+    # Muon's momentum (torch's momentum_buffer) and AdamW's moments saved at W=2, loaded at W=1: bit for bit; and by
+    # torch's Muon + AdamW through get/set_optimizer_state_dict (param_groups one per label: their own lr), whose next
+    # step is torch's own 11th
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, _mixed_parity, "step", path)[0]
+    lrs, equal, ref12, ref11 = run_ranks(1, _torch_mixed_load, path)[0]
+    assert lrs == [0.02, 1e-2] and equal
+    for lrs, got in run_ranks(2, _fsdp2_mixed_load, path):  # the module path (FSDP2, optim.Muon + AdamW) at W=2
+        assert lrs == [0.02, 1e-2] and all(torch.equal(got[k], ref11[k]) for k in ref11)
+    for count, got in run_ranks(2, _mixed_resume, path + "-torch"):  # torch's checkpoint into funcshard, W=2
+        assert count == 11 and all(torch.equal(got[k], ref12[k]) for k in ref12)
     loaded = run_ranks(1, _mixed_load, path)[0]
     assert loaded[3] == saved["saved"][3] == 10
     muon_keys, adam_keys = ("a.weight", "b.weight"), ("inp.weight", "inp.bias", "norm.weight", "out.bias")
@@ -325,6 +419,60 @@ def test_owner_compute_shampoo_like_and_normalisation_equal_one_process():
         assert "busiest / mean" in text
 
 
+def _owner_compute_resume(path, save, mesh_shape=None):
+    """Shampoo-like owner_compute: saved after 2 steps (save) or loaded (another world size: other owners), then a
+    third step; returns its gathered update, the loaded count and this rank's owned paths. ``mesh_shape``:
+    (replicate, shard) for HSDP."""
+    plan = funcshard.plan(_model(), init_device_mesh("cpu", mesh_shape) if mesh_shape else _mesh())
+    rank = plan.shard_group()[1]
+    tx = optim.owner_compute(_shampoo, plan=plan, init_state=_shampoo_init)
+    state = funcshard.shard(plan)
+    s_state = tx.init(state)
+    refused = None
+    if save:
+        for step in range(2):
+            full = _grads(plan.specs, step, torch.float32)
+            _, s_state = tx.update({k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}, s_state)
+        bad = optim.OwnerComputeState(2, {k: {"L": v["L"], "n": 2} for k, v in s_state.owned.items()})
+        try:
+            checkpoint.state_dict(plan, state, bad, tx=tx)
+        except TypeError as e:
+            refused = str(e)
+        checkpoint.save(plan, state, s_state, checkpoint_id=path, tx=tx)
+    else:
+        state, s_state = checkpoint.load(plan, path, opt_state=s_state)
+    count = s_state.count
+    full = _grads(plan.specs, 2, torch.float32)
+    upd, s_state = tx.update({k: plan.specs[k].local_shard(g, rank) for k, g in full.items()}, s_state)
+    return funcshard.gather(plan, upd), count, sorted(s_state.owned), refused
+
+
+def test_owner_compute_state_checkpoint_at_another_world_size(tmp_path):
+    # each matrix's state saved whole under its path at W=2 (rank 0 owns some, rank 1 others), loaded at W=1 (rank 0
+    # owns all): the third step's update bit for bit the one W=2 took after its own two
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(2, _owner_compute_resume, path, True)
+    loaded = run_ranks(1, _owner_compute_resume, path, False)[0]
+    assert loaded[1] == 2 and loaded[2] == sorted(saved[0][2] + saved[1][2]) and saved[0][2] and saved[1][2]
+    assert all(torch.equal(loaded[0][k], saved[0][0][k]) for k in saved[0][0])
+    for _, _, owned, refused in saved:  # a leaf that is not a tensor: named, with the fix
+        assert f"opt_state.owned[{owned[0]!r}]['n'] is of type int; funcshard.checkpoint saves owner_compute state made " \
+               f"of tensors" in refused and "Fix:" in refused
+
+
+@pytest.mark.slow
+def test_owner_compute_state_checkpoint_w2_to_w4_and_hsdp(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(2, _owner_compute_resume, path, True)[0]
+    for update, count, _, _ in run_ranks(4, _owner_compute_resume, path, False):
+        assert count == 2 and all(torch.equal(update[k], saved[0][k]) for k in saved[0])
+    # HSDP (replicate 2 x shard 2): both replicas' owners hold (and save) the same states; loaded at W=1
+    hsdp = str(tmp_path / "hsdp")
+    first = run_ranks(4, _owner_compute_resume, hsdp, True, (2, 2))[0]
+    update, count, _, _ = run_ranks(1, _owner_compute_resume, hsdp, False)[0]
+    assert count == 2 and all(torch.equal(update[k], first[0][k]) for k in first[0])
+
+
 # ---- the module path: optim.Muon over fully_shard's and FSDP2's DTensor parameters -------------------------------
 
 
@@ -359,21 +507,23 @@ def _module_parity(kind, shape=None, steps=10):
     got = {k: p.full_tensor() if kind != "plain" else p.detach() for k, p in model.named_parameters()}
     want = dict(ref.named_parameters())
     equal = all(torch.equal(got[k], want[k].detach()) for k in got)
-    return equal, max((got[k] - want[k]).abs().max().item() for k in got), [str(o) for o in opt.owners()]
+    return equal, max((got[k] - want[k]).abs().max().item() for k in got), [str(o) for o in opt.owners()], \
+        [str(s) for s in opt.owner_steps()]
 
 
 @pytest.mark.parametrize("kind", ["funcshard", "fsdp2"])
 def test_module_muon_equals_torch_muon(kind):
     # fully_shard's and FSDP2's Shard(0) DTensors, uneven (an empty shard at W=4 would be slow: W=2 here, 10 steps)
-    for equal, diff, owners in run_ranks(2, _module_parity, kind):
+    for equal, diff, owners, steps in run_ranks(2, _module_parity, kind):
         assert equal, diff
         assert len(owners) == 1 and "0.weight" in owners[0]
+        assert len(steps) == 1 and "owners: 5 whole matrices over 2 ranks" in steps[0] and "6 all-to-alls" in steps[0]
     assert run_ranks(1, _module_parity, "plain")[0][0]  # an unsharded model: torch.optim.Muon bit for bit
 
 
 def test_module_muon_hsdp_owners_within_shard_group():
     # HSDP (replicate 2, shard 2): owners among the shard group's 2 ranks, replicas compute the same
-    for equal, diff, owners in run_ranks(4, _module_parity, "fsdp2", (2, 2), 3):
+    for equal, diff, owners, _ in run_ranks(4, _module_parity, "fsdp2", (2, 2), 3):
         assert equal, diff
         assert "over 2 ranks" in owners[0]
 
@@ -430,6 +580,21 @@ def test_module_muon_refuses_non_matrices_and_adds_groups():
     assert torch.equal(w, w2) and torch.equal(v, v2)
 
 
+def test_module_muon_takes_torch_lr_schedulers():
+    # optim.Muon is a torch.optim.Optimizer: a torch LR scheduler drives its param_groups as torch.optim.Muon's
+    w = nn.Parameter(torch.randn(6, 4))
+    w2 = nn.Parameter(w.detach().clone())
+    opt, ref = optim.Muon([("w", w)], lr=0.02), torch.optim.Muon([w2], lr=0.02)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda count: 1 / (1 + count)) for o in (opt, ref)]
+    for step in range(3):
+        w.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        w2.grad = w.grad.clone()
+        for o, sched in zip((opt, ref), scheds):
+            o.step()
+            sched.step()
+    assert torch.equal(w, w2) and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 0.02 / 4
+
+
 def _module_dcp(path, save, kind="fsdp2"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -472,11 +637,12 @@ def _counted_step():
     rank = plan.shard_group()[1]
     tx = optim.muon(0.02, plan=plan)
     opt_state = tx.init(state)
-    sent = []
+    sent, received = [], []
     real = dist.all_to_all_single
 
     def counting(out, inp, out_splits, in_splits, **kw):
         sent.append(sum(n for o, n in enumerate(in_splits) if o != rank) * inp.element_size())
+        received.append(sum(n for o, n in enumerate(out_splits) if o != rank) * out.element_size())
         return real(out, inp, out_splits, in_splits, **kw)
 
     dist.all_to_all_single = counting
@@ -487,14 +653,53 @@ def _counted_step():
         dist.all_to_all_single = real
     (oc,) = cost.owner_costs(plan, tx, hardware=cost.Hardware(1e9, 1e9, 1e8, 1e-5))
     rounds = max(len(oc.owners.owned_by(r)) for r in range(plan.world))
-    return sent, rounds, oc.to_owners_sent[rank], oc.back_sent[rank], oc.exchange_s > 0, str(oc)
+    shown = plan.with_optimizer(tx, state)  # the plan's printout: the same exchange, call for call
+    (step,) = shown.owner_steps
+    planned = [(c.sent[rank], c.received[rank]) for c in step.collectives]
+    return (sent, rounds, oc.to_owners_sent[rank], oc.back_sent[rank], oc.exchange_s > 0, str(oc),
+            planned == list(zip(sent, received)), str(shown), shown.collective_order(), str(step.owners))
 
 
 def test_owner_cost_bytes_are_the_exchanges():
-    # pipelined: one all-to-all each way per round (each owner's j-th matrix), the bytes as the model says
-    for sent, rounds, to, back, timed, text in run_ranks(2, _counted_step):
+    # pipelined: one all-to-all each way per round (each owner's j-th matrix), the bytes as the model says; the plan's
+    # printout (Plan.with_optimizer) lists the same all-to-alls in the order the exchange issues them, each with the
+    # bytes this rank sends and receives in it, and each matrix's owner beside the parameter
+    for sent, rounds, to, back, timed, text, same, printed, order, table in run_ranks(2, _counted_step):
         assert len(sent) == 2 * rounds == 6 and sum(sent) == to + back > 0 and timed
         assert "owners' extra memory" in text
+        assert same
+        assert [line.split(",")[0] for line in order[-6:]] == [
+            "all-to-all to the owners", "all-to-all to the owners", "all-to-all back from the owners",
+            "all-to-all to the owners", "all-to-all back from the owners", "all-to-all back from the owners"]
+        assert "owners: 5 whole matrices over 2 ranks" in printed and table.splitlines()[2] in printed
+        assert "1.weight: (9, 11) float32 dim 0 over axis 0 -> local (5, 11) pad 1  [owner: rank 0]" in printed
+
+
+def test_plan_with_optimizer_is_checked(fake_mesh2):
+    from funcshard import cost
+
+    plan = funcshard.plan(_Mixed(), fake_mesh2)
+    tx = _mixed_tx(plan)
+    shown = plan.with_optimizer(optim.chain(optim.clip_by_global_norm(1.0), tx))  # a chain shows its inner owners
+    (step,) = shown.owner_steps
+    assert step.label == "muon" and [e.path for e in step.owners.entries] == ["a.weight", "b.weight"]
+    assert plan.owner_steps == () and "owner" not in str(plan)  # (the plan itself unchanged)
+    assert "b.weight: (9, 9) float32 dim 0 over axis 0 -> local (5, 9) pad 1 tied ['c.weight']  [owner: rank 1, " \
+           "'muon']" in str(shown)
+    (oc,) = cost.owner_costs(plan, tx)  # the cost model's bytes are the printout's
+    assert (oc.to_owners_sent, oc.back_received, oc.extra_bytes) == (step.to_owners_sent, step.back_received,
+                                                                     step.extra_bytes)
+    assert plan.with_optimizer(optim.adamw(1e-3)).owner_steps == ()  # no owners: nothing to show
+    with pytest.raises(ValueError, match=r"chain: transformations \[0, 1\] each have owner ranks"):
+        plan.with_optimizer(optim.chain(tx, tx))
+    plan4 = funcshard.plan(_Mixed(), cost.fake_mesh(4))  # (tx's plan shards over 2 ranks)
+    with pytest.raises(funcshard.ShardingError, match=r"Plan.with_optimizer: the optimizer 'muon' assigns owners "
+                                                      r"over 2 ranks, and this plan shards over 4 ranks.*Fix: build"):
+        plan4.with_optimizer(tx)
+    other = funcshard.plan(_model(), cost.fake_mesh(4))  # (another model: its paths are not tx's plan's)
+    with pytest.raises(funcshard.ShardingError, match=r"Plan.with_optimizer: the optimizer does not fit this plan "
+                                                      r"\(4 ranks\): .*'0.weight'.*Fix: build the optimizer"):
+        other.with_optimizer(optim.muon(plan=plan))
 
 
 def test_estimate_reports_owners(fake_mesh2):
