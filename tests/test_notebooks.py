@@ -2,8 +2,8 @@
 suite: the four in one kernel, its namespace reset before each (``run.execute_in_one_kernel``: the imports once),
 their ranks forked (``nbhelpers.spawn``); 46 s of CPU in all, the fourth 16 s of it (Opacus's import included). Each
 notebook's plots check their own axes (labels with units, ``nbhelpers.check_axes``), so an unreadable plot fails the
-execution. ``python notebooks/run.py``
-re-executes them, each in a fresh kernel, and writes the outputs that are committed."""
+execution. ``python notebooks/run.py`` re-executes them, each in a fresh kernel, and writes the outputs that are
+committed."""
 
 from __future__ import annotations
 
