@@ -414,10 +414,10 @@ def maml_losses(apply, inner_lr: float, scale: float = 1.0):
 
 
 def maml(steps: int, inner_lr: float, lr: float):
-    """MAML on this rank's shards: ``grad`` through one inner SGD step, vmapped over a meta-batch of tasks (the
-    same tasks on every rank), with a plan of ``grad_divide_factor=1.0`` (required for two reverse levels: each
-    gradient is then the sum over ranks, so every rank's loss is divided by the number of ranks) and
-    ``optim.adamw``. Returns the meta-losses, step 0's meta-gradient (gathered), the trained parameters, and the
+    """MAML on this rank's shards: ``funcshard.value_and_grad`` through one inner SGD step (``torch.func.grad``),
+    vmapped over a meta-batch of tasks (the same tasks on every rank), with a plan of ``grad_divide_factor=1.0``
+    (required for two reverse levels: each gradient is then the sum over ranks, so every rank's loss is divided by
+    the number of ranks) and ``optim.adamw``. Returns the meta-losses, step 0's meta-gradient (gathered), the trained parameters, and the
     refusal (its message) of the same meta-gradient on a plan of the default divide factor (None at W=1)."""
     import funcshard
     from funcshard import optim
@@ -438,7 +438,7 @@ def maml(steps: int, inner_lr: float, lr: float):
     losses, first = [], None
     for step in range(steps):
         batch, _ = sine_tasks(step)
-        grads, loss = torch.func.grad_and_value(meta_loss)(state, *batch)
+        loss, grads = funcshard.value_and_grad(meta_loss)(state, *batch)
         if first is None:
             first = funcshard.gather(plan, grads)
         losses.append(W * loss.item())
