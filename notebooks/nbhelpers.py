@@ -254,6 +254,23 @@ def check_axes(fig) -> None:
 # ---- notebook 4: transforms that compose over sharded state -----------------------------------------------
 
 
+def train_reference(model, loss_fn, batches, lr: float):
+    """The unsharded reference's training: ``torch.optim.AdamW`` (no decay) on a copy of ``model``'s parameters,
+    one step per batch with ``torch.func.grad_and_value(loss_fn)(params, *batch)``. Returns the losses, the first
+    step's gradients and the trained parameters."""
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
+    losses, first = [], None
+    for batch in batches:
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, *batch)
+        first = grads if first is None else first
+        losses.append(loss.item())
+        for k, p in params.items():
+            p.grad = grads[k]
+        opt.step()
+    return losses, first, params
+
+
 def mlp(*sizes: int, act=torch.nn.Tanh, seed: int = SEED) -> torch.nn.Sequential:
     """A small MLP: ``Linear(sizes[0], sizes[1]), act, ..., Linear(sizes[-2], sizes[-1])``, seeded."""
     torch.manual_seed(seed)
@@ -302,6 +319,7 @@ DP_SIZES = (8, 32, 32, 4)
 
 
 def dp_batch(step: int, n: int = 16):
+    """Step ``step``'s ``n`` examples: features ``(n, 8)`` and labels ``(n,)`` (a fixed noisy linear teacher)."""
     g = torch.Generator().manual_seed(2000 + step)
     teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     x = torch.randn(n, 8, generator=g)
@@ -355,10 +373,10 @@ def dp_sgd(steps: int, clip: float, lr: float, noises=(0.0,)):
 def opacus_dp_sgd(steps: int, clip: float, lr: float):
     """The reference, one process: Opacus (``GradSampleModule`` + ``DPOptimizer``, noise off) on the unsharded
     model, the same batches and SGD. Returns the losses and step 0's clipped gradient sum (``p.summed_grad``)."""
+    import warnings
+
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
-
-    import warnings
 
     model = mlp(*DP_SIZES)
     gsm = GradSampleModule(model)
@@ -417,8 +435,9 @@ def maml(steps: int, inner_lr: float, lr: float):
     """MAML on this rank's shards: ``funcshard.value_and_grad`` through one inner SGD step (``torch.func.grad``),
     vmapped over a meta-batch of tasks (the same tasks on every rank), with a plan of ``grad_divide_factor=1.0``
     (required for two reverse levels: each gradient is then the sum over ranks, so every rank's loss is divided by
-    the number of ranks) and ``optim.adamw``. Returns the meta-losses, step 0's meta-gradient (gathered), the trained parameters, and the
-    refusal (its message) of the same meta-gradient on a plan of the default divide factor (None at W=1)."""
+    the number of ranks) and ``optim.adamw``. Returns the meta-losses, step 0's meta-gradient (gathered), the
+    trained parameters, and the refusal (its message) of the same meta-gradient by ``torch.func.grad`` on a plan of
+    the default divide factor (None at W=1)."""
     import funcshard
     from funcshard import optim
 
@@ -451,18 +470,7 @@ def maml_reference(steps: int, inner_lr: float, lr: float):
     """The same MAML on the unsharded model, one process (``torch.func.functional_call``, ``torch.optim.AdamW``)."""
     model = mlp(*MAML_SIZES)
     _, _, meta_loss = maml_losses(lambda p, x: torch.func.functional_call(model, p, (x,)), inner_lr)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
-    losses, first = [], None
-    for step in range(steps):
-        batch, _ = sine_tasks(step)
-        grads, loss = torch.func.grad_and_value(meta_loss)(params, *batch)
-        if first is None:
-            first = grads
-        losses.append(loss.item())
-        for k, p in params.items():
-            p.grad = grads[k]
-        opt.step()
+    losses, first, params = train_reference(model, meta_loss, (sine_tasks(step)[0] for step in range(steps)), lr)
     return {"losses": losses, "meta_grad": first, "params": params}
 
 
@@ -472,6 +480,7 @@ HVP_SIZES = (4, 16, 16, 1)
 
 
 def regression_data(n: int = 64):
+    """``n`` inputs ``(n, 4)`` and targets ``(n, 1)``: the sine of a random projection, plus noise."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, 4, generator=g)
     return x, torch.sin(x @ torch.randn(4, 1, generator=g)) + 0.1 * torch.randn(n, 1, generator=g)
@@ -620,22 +629,12 @@ def meanflow(steps: int, batch_size: int, lr: float):
 def meanflow_reference(steps: int, batch_size: int, lr: float):
     """The same training on the unsharded model, one process, the whole global batch (``torch.optim.AdamW``)."""
     model = mlp(*FLOW_SIZES, act=torch.nn.SiLU)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
 
     def loss_fn(p, x, e, r, t):
         return meanflow_loss(lambda z, r, t: torch.func.functional_call(model, p, (torch.cat([z, r, t], 1),)),
                              x, e, r, t)
 
-    losses, first = [], None
-    for step in range(steps):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, *ring_data(step, batch_size))
-        if first is None:
-            first = grads
-        losses.append(loss.item())
-        for k, p in params.items():
-            p.grad = grads[k]
-        opt.step()
+    losses, first, params = train_reference(model, loss_fn, (ring_data(step, batch_size) for step in range(steps)), lr)
     e = torch.randn(512, 2, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         samples = e - torch.func.functional_call(model, params, (torch.cat([e, torch.zeros(512, 1),
@@ -675,7 +674,7 @@ def ensemble(members: int, steps: int, lr: float, counts_for=(1, 2, 4, 8)):
         return (funcshard.apply(plan, s, x) - y).pow(2).mean()
 
     grads_of = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None, None))
-    counts = {n: count_collectives(lambda: grads_of(stack(n), x, y))[1] for n in counts_for}
+    counts = {n: count_collectives(lambda s=stack(n): grads_of(s, x, y))[1] for n in counts_for}
     state = stack(members)
     tx = optim.adamw(lr, weight_decay=0.0)
     opt_state = tx.init(state)
