@@ -295,11 +295,8 @@ def test_a_rank_killed_before_the_end_of_forward_is_seen_at_once(path):
     check, through the store) that rank 0 then waits in: rank 0 raises a CollectiveError naming the dead rank within
     a few seconds (the wait's slices look at the peers' processes), not at the plan's bound (60 s here). Before, it
     waited out the bound (300 s by default)."""
-    from multirank import Died, fresh_pool
+    from multirank import Died
 
-    # (a fresh pool: a group made again under a used name reads the keys earlier timed-out exchanges left in the
-    # store, the known stale-key gap: test_a_group_made_again_under_its_name_does_not_read_the_old_keys)
-    fresh_pool(2)
     r0, r1 = run_ranks(2, _timed, path, "killed_end", timeout=60.0, grace=30.0, dead_ok=True)
     assert r1 == Died(-signal.SIGKILL), r1
     kind, message, intact, seconds = r0
@@ -845,10 +842,6 @@ def _made_again():
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="stale store keys after a group is made again under a used name: a key "
-                   "prefix counted per process (tried) disagrees between ranks whose processes have other histories "
-                   "(ranks as threads of one process, a respawned rank) and hung them; needs a namespace every rank "
-                   "agrees on")
 def test_a_group_made_again_under_its_name_does_not_read_the_old_keys():
     """Before: the second group's first exchange read the keys the timed-out one left (its arrival count carried the
     give-up mark) and raised "reached ... after rank 0 had stopped waiting there" on a healthy group."""

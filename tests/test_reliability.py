@@ -518,3 +518,42 @@ def test_shard_does_not_cast(fake_mesh2):
         funcshard.shard(plan, full)
     double = funcshard.plan(m.double(), fake_mesh2)
     assert {v.dtype for v in funcshard.shard(double).values()} == {torch.float64}
+
+
+# ---- a checkpoint's own process group is named alike on every rank -------------------------------------------------
+
+
+def _save_after_a_group_of_rank_0s_own(path):
+    """Rank 0's process holds a process group that rank 1's does not (``new_group([0])``: only its members register it;
+    so do groups made over a part of the ranks, by a user or an earlier job of a pooled worker), then both save and
+    load a checkpoint. The save's gloo group (``new_group(use_local_synchronization=True)``) got torch's name, a hash
+    of its ranks and of how many groups each process holds: two names, and the save hung at the plan's bound (in the
+    test suite: test_tp's cross-load after the whole suite)."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP, Block
+
+    own = dist.new_group([0])
+    try:
+        torch.manual_seed(0)
+        plan = funcshard.plan(MLP(layers=2), init_device_mesh("cpu", (2,)), groups=(Block,), timeout=10.0)
+        state = funcshard.shard(plan)
+        start = time.monotonic()
+        funcshard.checkpoint.save(plan, state, checkpoint_id=path)
+        seconds = time.monotonic() - start
+        back = funcshard.checkpoint.load(plan, path)
+        return all(torch.equal(back[k], v) for k, v in state.items()), seconds
+    finally:
+        if dist.get_rank() == 0:
+            dist.destroy_process_group(own)
+
+
+def test_a_save_after_groups_made_on_some_ranks_only(tmp_path):
+    from multirank import run_ranks
+
+    for same, seconds in run_ranks(2, _save_after_a_group_of_rank_0s_own, str(tmp_path / "ckpt"), timeout=60):
+        assert same and seconds < 8.0, (same, seconds)
