@@ -220,7 +220,10 @@ def _new_group(key: tuple, backend: str | None, timeout: timedelta | None):
     """A new group over the ranks ``key[2]`` (only they call this) for ``key`` (what it is for, its ranks), named
     alike on each of them whatever other groups their processes made (``_compat.new_named_group``; torch's own name
     for it hung ranks whose processes had made other groups): ``funcshard.<key's hash>.<n>``, for the n-th group of
-    that key made by this rank, counted in the default group's store (so a name is never used twice on a store)."""
+    that key made by this rank, counted in the default group's store (so a name is never used twice on a store).
+    Every rank of the key makes its n-th group at the same call (saves are collective); a making that failed on some
+    ranks only (a peer died or stalled: a CollectiveError) leaves their counts apart, and the next save of that plan
+    in the same job waits out the bound too: restart the job, as that error says."""
     import torch.distributed as dist
 
     digest = hashlib.sha1(repr(key[1:]).encode()).hexdigest()[:16]

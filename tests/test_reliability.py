@@ -558,14 +558,31 @@ def _save_after_a_group_of_rank_0s_own(path):
         funcshard.checkpoint.save(plan, state, checkpoint_id=path)
         seconds = time.monotonic() - start
         back = funcshard.checkpoint.load(plan, path)
-        return all(torch.equal(back[k], v) for k, v in state.items()), seconds
+        alone = {}
+        if dist.get_rank() == 0:  # rank 1 never saves: making the save's group waits for it up to the bound
+            for how, bound in (("save", 1.01), ("async_save", 1.02)):  # (bounds no other test's plan has: a rank
+                # that made a save group alone is out of step with the other for that key, and hangs its next one)
+                small = funcshard.plan(MLP(layers=2), init_device_mesh("cpu", (2,)), groups=(Block,), timeout=bound)
+                try:
+                    getattr(funcshard.checkpoint, how)(small, funcshard.shard(small), checkpoint_id=f"{path}_{how}")
+                except funcshard.CollectiveError as e:
+                    alone[how] = str(e)
+        return all(torch.equal(back[k], v) for k, v in state.items()), seconds, alone
     finally:
         if dist.get_rank() == 0:
             dist.destroy_process_group(own)
 
 
 def test_a_save_after_groups_made_on_some_ranks_only(tmp_path):
+    """Ranks whose processes hold other process groups save and load (``_save_after_a_group_of_rank_0s_own``); a rank
+    whose peer never comes to the save raises a CollectiveError at the plan's bound, naming the checkpoint (it raised
+    torch's DistStoreError from making the save's group)."""
     from multirank import run_ranks
 
-    for same, seconds in run_ranks(2, _save_after_a_group_of_rank_0s_own, str(tmp_path / "ckpt"), timeout=60):
+    path = str(tmp_path / "ckpt")
+    for rank, (same, seconds, alone) in enumerate(run_ranks(2, _save_after_a_group_of_rank_0s_own, path, timeout=60)):
         assert same and seconds < 8.0, (same, seconds)
+        assert sorted(alone) == ([] if rank else ["async_save", "save"]), alone
+        for how, message in alone.items():
+            assert re.match(rf"funcshard: checkpoint save to {re.escape(path)}_{how} failed on this rank "
+                            r"\(DistStoreError: .*\): a rank died or stalled during the save", message), message

@@ -67,7 +67,9 @@ store itself, as the group's **epoch** (``_EPOCH``, under the group's prefix): a
 timeout, a dead peer, an interrupt: ``_failed``) records what it left and moves the epoch on, once per epoch
 (``compare_set``); a group object reads the epoch at its first step (``_peers``) and uses the keys of that epoch only.
 Every rank reads the same epoch: a group is made again only after every rank has left the old one (gloo connects all
-its ranks when a group is made), hence after the failed rank moved the epoch on. The first rank of the group then
+its ranks when a group is made), hence after the failed rank moved the epoch on (NCCL makes its communicators at the
+first collective: there a rank that makes the group again within the second a waiting peer takes to see the failure
+can read the old epoch, and its first exchange ends at the bound). The first rank of the group then
 deletes what the failed exchanges of older epochs left (``_clean``). One limit: a rank whose *first* step on a group
 comes after another rank's exchange on it failed reads the new epoch, so it does not see that failure; it waits alone
 and raises a CollectiveTimeout at the bound (instead of at once).
