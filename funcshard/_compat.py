@@ -174,8 +174,9 @@ def new_named_group(ranks: list[int], name: str, backend: str | None = None, tim
     process groups this process holds, which differs between ranks whose processes made other groups (a group over a
     part of the ranks, a respawned rank): gloo then meets under different store prefixes and hangs (torch 2.11-2.13;
     torch's fix, pytorch/pytorch#189073, is not in them). As torch's ``new_group`` does without a name of its own:
-    the group made with the default group's store under ``name`` and its ranks mapped; a default group that makes its
-    groups itself (torch's threaded test group) makes this one too, under torch's name."""
+    the group made with the default group's store under ``name`` and its ranks mapped. A default group that makes its
+    groups itself (a Python process group with a ``new_group`` method, which torch 2.13's ``new_group`` hands the
+    call to) makes this one too, as torch would, under torch's name."""
     import torch.distributed.distributed_c10d as c10d
 
     default = c10d._get_default_group()
