@@ -175,6 +175,30 @@ def op_is_mutable(func) -> bool:
 
 
 process_group_store = require("torch.distributed.distributed_c10d._get_process_group_store")  # a group's store
+_c10d_helper = require("torch.distributed.distributed_c10d._new_process_group_helper")
+
+
+def new_named_group(ranks: list[int], name: str, backend: str | None = None, timeout=None):
+    """``dist.new_group(ranks, backend, timeout, use_local_synchronization=True)`` (only the group's ranks call it)
+    named ``name`` (the same on every rank of it). torch names such a group by a hash of its ranks and of how many
+    process groups this process holds, which differs between ranks whose processes made other groups (a group over a
+    part of the ranks, a respawned rank): gloo then meets under different store prefixes and hangs (torch 2.11-2.13;
+    torch's fix, pytorch/pytorch#189073, is not in them). As torch's ``new_group`` does without a name of its own:
+    the group made with the default group's store under ``name`` and its ranks mapped. A default group that makes its
+    groups itself (a Python process group with a ``new_group`` method, which torch 2.13's ``new_group`` hands the
+    call to) makes this one too, as torch would, under torch's name."""
+    import torch.distributed.distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    if callable(getattr(default, "new_group", None)):
+        return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+    ranks, (default_backend, store) = sorted(ranks), c10d._world.pg_map[default]
+    backend = c10d.Backend(backend or default_backend)
+    pg, _ = _c10d_helper(len(ranks), ranks.index(default.rank()), ranks, backend, store, name,
+                         timeout=timeout if timeout is not None else c10d._get_default_timeout(backend),
+                         device_id=default.bound_device_id)
+    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(ranks)}
+    return pg
 
 
 def fake_store():
@@ -222,6 +246,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "new_named_group",
     "all_gather_autograd", "c10d_functional",
     "apply_to_tensors",
     "SUPPORTED", "require",

@@ -20,6 +20,7 @@ initialise sharded parameters from a meta-device model one module at a time (``_
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from datetime import timedelta
@@ -33,7 +34,7 @@ from funcshard._checkpoint_safetensors import Reader, Writer, check_dtypes
 from funcshard._collectives import bounded_all_reduce, public_where
 from funcshard._pipeline import gather_tangents
 from funcshard._comm import plain
-from funcshard._compat import dtensor_local, root_mesh
+from funcshard._compat import dtensor_local, new_named_group, process_group_store, root_mesh
 from funcshard._layout import full_layouts
 from funcshard._mesh import device_of
 from funcshard._offload import HOST, place_state, to_host
@@ -256,8 +257,23 @@ def _dcp_group(plan: Plan, backend: str | None = None):
     key = (id(dist.group.WORLD), backend, ranks)
     pg = _part_groups.get(key)
     if pg is None or not _live(pg):  # (only the part's ranks take part in making it)
-        pg = _part_groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+        pg = _part_groups[key] = _new_group(key, backend, None)
     return pg
+
+
+def _new_group(key: tuple, backend: str | None, timeout: timedelta | None):
+    """A new group over the ranks ``key[2]`` (only they call this) for ``key`` (what it is for, its ranks), named
+    alike on each of them whatever other groups their processes made (``_compat.new_named_group``; torch's own name
+    for it hung ranks whose processes had made other groups): ``funcshard.<key's hash>.<n>``, for the n-th group of
+    that key made by this rank, counted in the default group's store (so a name is never used twice on a store).
+    Every rank of the key makes its n-th group at the same call (saves are collective); a making that failed on some
+    ranks only (a peer died or stalled: a CollectiveError) leaves their counts apart, and the next save of that plan
+    in the same job waits out the bound too: restart the job, as that error says."""
+    import torch.distributed as dist
+
+    digest = hashlib.sha1(repr(key[1:]).encode()).hexdigest()[:16]
+    n = process_group_store(dist.group.WORLD).add(f"funcshard/groups/{digest}/{dist.get_rank()}", 1)
+    return new_named_group(list(key[2]), f"funcshard.{digest}.{n}", backend, timeout)
 
 
 def _save_group(plan: Plan):
@@ -274,8 +290,7 @@ def _save_group(plan: Plan):
     key = (id(dist.group.WORLD), "save", ranks, seconds)
     pg = _part_groups.get(key)
     if pg is None or not _live(pg):  # (only the mesh's ranks take part in making it)
-        kw = {} if seconds is None else {"timeout": timedelta(seconds=seconds)}
-        pg = _part_groups[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **kw)
+        pg = _part_groups[key] = _new_group(key, "gloo", None if seconds is None else timedelta(seconds=seconds))
     return pg
 
 
@@ -342,12 +357,12 @@ def save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *
     from funcshard._checkpoint_commit import CommittingWriter
 
     _wait_pending()
-    dcp_kwargs.setdefault("process_group", _save_group(plan))
     sd = state_dict(plan, state, opt_state, tx=tx)
-    try:
+    try:  # (making the save's group waits for the other ranks too: bounded the same way)
+        dcp_kwargs.setdefault("process_group", _save_group(plan))
         dcp.save(sd, storage_writer=CommittingWriter(checkpoint_id), **dcp_kwargs)
     except BaseException as e:
-        raise _save_failed(checkpoint_id, e, dcp_kwargs["process_group"]) from e
+        raise _save_failed(checkpoint_id, e, dcp_kwargs.get("process_group")) from e
 
 
 def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = None, *, checkpoint_id: str,
@@ -375,7 +390,10 @@ def async_save(plan: Plan, state: Mapping[str, torch.Tensor], opt_state: Any = N
     _wait_pending()
     with torch.no_grad():  # the snapshot (DCP's own stager copies each DTensor without the pieces' protocol)
         sd = _state_dict(plan, state, opt_state, tx, copy=lambda t: t.detach().clone())
-    pg = _save_group(plan)
+    try:
+        pg = _save_group(plan)
+    except BaseException as e:
+        raise _save_failed(checkpoint_id, e, None) from e
     written = dcp.async_save(sd, storage_writer=CommittingWriter(checkpoint_id), process_group=pg,
                              async_stager=Staged())
     future: Future = Future()

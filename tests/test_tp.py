@@ -29,7 +29,7 @@ import funcshard
 from funcshard import optim
 from funcshard.fsdp import DataParallelMeshDims
 from models import MLP, Block
-from multirank import fresh_pool, run_ranks
+from multirank import run_ranks
 from test_mesh2d import GroupCollectives, _axes, _per_group, catch_into
 
 STEPS = 10
@@ -409,10 +409,6 @@ def _dcp(path):
 
 
 def test_dcp_checkpoints_cross_load_with_fsdp2(tmp_path):
-    # A fresh pool: after the whole default suite (not after any one file tried) the functional save's
-    # new_group(use_local_synchronization=True) over the 4 ranks hung in this pool; not explained yet (the ranks'
-    # registries of process-group names, which hashed names depend on, may differ after earlier jobs).
-    fresh_pool(4)
     for res in run_ranks(4, _dcp, str(tmp_path)):
         assert res == {"torch.distributed.fsdp": (True, True), "funcshard": (True, True),
                        "functional": [True, True]}, res

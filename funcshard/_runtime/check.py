@@ -55,8 +55,24 @@ the waiting ranks are woken (``_ABANDONED``) and raise the same error, and a ran
 of going on alone into the step's collectives. The exchanges count steps and collectives per process group: every rank
 must make the same steps on it (they must anyway: their collectives pair up). Nothing is left in the store after an
 exchange that every rank finished, whatever happens next (a forward without backward, a backward that raises); an
-exchange that timed out leaves its keys (the process group is broken then, and refused). Not handled: a group made
-again under a name used before (same store prefix) after such a timeout reads the old keys.
+exchange that timed out leaves its keys (the process group is broken then, and refused; a rank arriving late reads
+them to raise at once).
+
+A group made again under a name used before has the same store prefix (the default group initialised again on the
+same store; ``new_group(..., use_local_synchronization=True)`` over the same ranks names a group by a hash of its ranks
+and of how many groups the process holds): it must not read the keys a failed exchange of the old group left. The
+namespace must be one every rank agrees on whatever its process did before (ranks as threads of one process, ranks
+whose processes made other groups, a respawned rank): a count kept per process hung such ranks. So it is kept in the
+store itself, as the group's **epoch** (``_EPOCH``, under the group's prefix): an exchange that fails on a rank (a
+timeout, a dead peer, an interrupt: ``_failed``) records what it left and moves the epoch on, once per epoch
+(``compare_set``); a group object reads the epoch at its first step (``_peers``) and uses the keys of that epoch only.
+Every rank reads the same epoch: a group is made again only after every rank has left the old one (gloo connects all
+its ranks when a group is made), hence after the failed rank moved the epoch on (NCCL makes its communicators at the
+first collective: there a rank that makes the group again within the second a waiting peer takes to see the failure
+can read the old epoch, and its first exchange ends at the bound). The first rank of the group then
+deletes what the failed exchanges of older epochs left (``_clean``). One limit: a rank whose *first* step on a group
+comes after another rank's exchange on it failed reads the new epoch, so it does not see that failure; it waits alone
+and raises a CollectiveTimeout at the bound (instead of at once).
 
 A dead peer is seen at once, not at the bound: each rank posts its process (host, pid, start time) in the group's store
 at its first step (one key per rank and group, kept), and a rank waiting in an exchange looks at the processes of its
@@ -98,7 +114,9 @@ _SEQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -
 # same on every rank)}; per group object, not name: ranks run as threads (torch's threaded group) have one each
 _PEERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its store or None: no peers to
 # check against, world, rank, global ranks); weakly: a destroyed group's gloo threads go with its last reference
-# before (see _peers)
+_EPOCH = "funcshard/epoch"  # the group's epoch (in its own store, unprefixed): moved on by an exchange that failed
+_EPOCHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> (its own store, the epoch its
+# exchanges use); see _peers
 ENABLED = True  # the default check (benchmarks/divergence_check.py turns it off to measure it); not check mode's
 
 
@@ -116,18 +134,62 @@ def _unpack(value: str, n: int) -> list[bool]:
 
 
 def _peers(pg):
-    """(group, store, world, rank, global ranks) of a process group with peers to check against, else None. The
-    first time: this rank's process posted in the group's store (``_process``), so that a waiting peer on the same
-    host can tell that it died (``_check_alive``)."""
+    """(group, store, world, rank, global ranks) of a process group with peers to check against, else None; the
+    store: the group's keys of its epoch (see the module docstring). The first time: the epoch read (the first rank
+    deletes what older epochs' failed exchanges left: ``_clean``) and this rank's process posted in the store
+    (``_process``), so that a waiting peer on the same host can tell that it died (``_check_alive``)."""
     hit = _PEERS.get(pg)
     if hit is None:
         world = dist.get_world_size(pg)
         fake = str(dist.get_backend(pg)) == "fake"
         store = None if world == 1 or fake else process_group_store(pg)
-        hit = _PEERS[pg] = (store, world, dist.get_rank(pg), dist.get_process_group_ranks(pg))
+        rank = dist.get_rank(pg)
+        if store is not None:
+            epoch = store.add(_EPOCH, 0)
+            _EPOCHS[pg] = (store, epoch)
+            if epoch and rank == 0:
+                _clean(store, epoch, world)
+            store = _in_epoch(store, epoch)
+        hit = _PEERS[pg] = (store, world, rank, dist.get_process_group_ranks(pg))
         if hit[0] is not None:
             hit[0].set(f"funcshard/process/{hit[2]}", _process())
     return (pg, *hit) if hit[0] is not None else None
+
+
+def _in_epoch(store, epoch: int):
+    """The group's store for the keys of ``epoch`` (epoch 0: the group's own keys, as they always were)."""
+    return store if epoch == 0 else dist.PrefixStore(f"funcshard.{epoch}/", store)
+
+
+def _failed(peers, kind: str, seq: int) -> None:
+    """An exchange failed on this rank (timed out, a peer died, interrupted): its keys may stay in the store (a late
+    rank reads them to raise at once). Record which they are, for ``_clean``, and move the group's epoch on (once per
+    epoch, whichever rank fails first), so that a group made again under this name uses keys of its own."""
+    pg, store, _, rank = peers[:4]
+    own, epoch = _EPOCHS[pg]
+    try:
+        store.set(f"funcshard/left/{rank}", f"funcshard/{kind}/{seq}")
+        own.compare_set(_EPOCH, str(epoch), str(epoch + 1))
+    except (RuntimeError, dist.DistError):  # (the store itself is gone: no group can be made on it again)
+        pass
+
+
+def _clean(store, epoch: int, world: int) -> None:
+    """Delete what the failed exchanges of the epochs before ``epoch`` left in the group's store, and their ranks'
+    processes (``_peers``, on the group's first rank: every rank of the old groups has left them). Once per epoch
+    (``funcshard/cleaned``: the epochs before it are clean)."""
+    clean = store.add("funcshard/cleaned", 0)
+    if clean >= epoch or store.compare_set("funcshard/cleaned", str(clean), str(epoch)) != str(epoch).encode():
+        return  # (cleaned already)
+    for old in map(lambda e: _in_epoch(store, e), range(clean, epoch)):
+        left = [f"funcshard/left/{r}" for r in range(world)]
+        bases = {old.get(key).decode() for key in left if old.check([key])}
+        keys = [*left, *(f"funcshard/process/{r}" for r in range(world))]
+        for base in bases:
+            keys += [f"{base}/{k}" for k in ("first", "arrived", "done", "gaveup", "late", "all/read")]
+            keys += [f"{base}/{k}/{r}" for k in ("here", "all") for r in range(world)]
+        for key in keys:
+            old.delete_key(key)
 
 
 # ---- a dead peer seen while waiting: its process is gone (peers on this host) ---------------------------------
@@ -207,25 +269,29 @@ def _agree(kind: str, peers, value: str, seconds: float | None, doing: str) -> t
     seq = counts[kind] = counts.get(kind, 0) + 1
     base = f"funcshard/{kind}/{seq}"
     doing = doing.replace("#?", f"#{seq}")
-    mine = ("=" + value).encode()  # (never empty: compare_set's "" means "absent")
-    differs = store.compare_set(f"{base}/first", "", mine) != mine
-    arrived = store.add(f"{base}/arrived", 1 + (int(differs) << 32))
-    if arrived & _LOW == world:  # the last to arrive: every rank has compared; the verdict is known
-        store.delete_key(f"{base}/first")
-        store.delete_key(f"{base}/arrived")
-        if arrived & _GAVE_UP:  # (a rank stopped waiting before this one arrived: it raised; so does this one)
-            _given_up(peers, base, seq, seconds, doing)
-        read = store.add(f"{base}/done", ((2 if arrived >> 32 & _DIFFERS else 1) << 32) + 1)
-    else:
-        if arrived & _GAVE_UP:
-            _given_up(peers, base, seq, seconds, doing)
-        _wait(store, base, f"{base}/done", peers, seq, seconds, doing)
-        read = store.add(f"{base}/done", 1)
-        if read & _ABANDONED:  # (woken by the rank that gave up: the ranks it names never came)
-            late = [int(r) for r in store.get(f"{base}/late").decode().split(",") if r]
-            _timeout(pg, late, doing, seq, seconds)
-    if read & _LOW == world:  # the last reader
-        store.delete_key(f"{base}/done")
+    try:
+        mine = ("=" + value).encode()  # (never empty: compare_set's "" means "absent")
+        differs = store.compare_set(f"{base}/first", "", mine) != mine
+        arrived = store.add(f"{base}/arrived", 1 + (int(differs) << 32))
+        if arrived & _LOW == world:  # the last to arrive: every rank has compared; the verdict is known
+            store.delete_key(f"{base}/first")
+            store.delete_key(f"{base}/arrived")
+            if arrived & _GAVE_UP:  # (a rank stopped waiting before this one arrived: it raised; so does this one)
+                _given_up(peers, base, seq, seconds, doing)
+            read = store.add(f"{base}/done", ((2 if arrived >> 32 & _DIFFERS else 1) << 32) + 1)
+        else:
+            if arrived & _GAVE_UP:
+                _given_up(peers, base, seq, seconds, doing)
+            _wait(store, base, f"{base}/done", peers, seq, seconds, doing)
+            read = store.add(f"{base}/done", 1)
+            if read & _ABANDONED:  # (woken by the rank that gave up: the ranks it names never came)
+                late = [int(r) for r in store.get(f"{base}/late").decode().split(",") if r]
+                _timeout(pg, late, doing, seq, seconds)
+        if read & _LOW == world:  # the last reader
+            store.delete_key(f"{base}/done")
+    except BaseException:
+        _failed(peers, kind, seq)
+        raise
     return read >> 32 & 3 == 1, seq
 
 
@@ -328,17 +394,22 @@ def _everyones(kind: str, peers, seq: int, value: str, seconds: float | None, do
     W^2 in all, only once the ranks are known to differ); the last reader deletes the keys."""
     pg, store, world, rank, ranks = peers
     base = f"funcshard/{kind}/{seq}/all"
-    store.set(f"{base}/{rank}", value)
-    keys = [f"{base}/{r}" for r in range(world)]
-    deadline = time.monotonic() + (seconds if seconds is not None else math.inf)
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), _SLICE), 0.001)))
-            break
-        except (RuntimeError, dist.DistError):
-            _check_alive(peers, doing, seq)
-            if time.monotonic() >= deadline:
-                _timeout(pg, [ranks[r] for r, key in enumerate(keys) if not store.check([key])], doing, seq, seconds)
+    try:
+        store.set(f"{base}/{rank}", value)
+        keys = [f"{base}/{r}" for r in range(world)]
+        deadline = time.monotonic() + (seconds if seconds is not None else math.inf)
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=max(min(deadline - time.monotonic(), _SLICE), 0.001)))
+                break
+            except (RuntimeError, dist.DistError):
+                _check_alive(peers, doing, seq)
+                if time.monotonic() >= deadline:
+                    late = [ranks[r] for r, key in enumerate(keys) if not store.check([key])]
+                    _timeout(pg, late, doing, seq, seconds)
+    except BaseException:
+        _failed(peers, kind, seq)
+        raise
     got = [v.decode() for v in store.multi_get(keys)]
     if store.add(f"{base}/read", 1) == world:
         for key in (*keys, f"{base}/read"):
