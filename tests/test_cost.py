@@ -224,7 +224,8 @@ VARIANTS = [("MINI", "fp32", {"prefetch": 0}), ("MINI", "fp32", {"reshard_after_
             ("MINI", "bf16", {"frozen": FROZEN, "layout": "flat"})]
 TOLERANCE = 0.01  # measured: within 0.1 % on every variant; one block's reduce-scatter input is ~6 % of the peak
 SLOW_VARIANTS = [("MINI", "fp32", {}), ("TINY_Q", "fp32", {}), ("SMALL", "fp32", {}), ("SMALL", "fp32", {"prefetch": 2}),
-                 ("SMALL", "bf16", {})]
+                 ("SMALL", "bf16", {}),
+                 ("MINI", "fp32", {"reduce_scatter_buffers": 3})]  # (K in flight: measured -0.02 %, as K = 1)
 
 
 def _check_peaks(variants, tolerance=TOLERANCE):
