@@ -205,18 +205,19 @@ DCP_WRITE_ITEMS, DCP_CHUNK_LIST, DCP_TENSOR_SHARD = (
 
 
 # ---- process-group allocation and FSDP2's comm classes (fully_shard's comm-tuning setters) -------------------------
-def group_allocator(group, device):
-    """The backend of ``group`` for ``device`` when it allocates communication tensors itself (NCCL's, where its
-    allocator is available: FSDP2's ``ProcessGroupAllocMixin`` asks the same), else None (gloo, the fake group)."""
+def group_allocator(group, device: torch.device):
+    """The backend of ``group`` for ``device`` (with its index: ``cuda:0``) when it allocates communication tensors
+    itself (NCCL's, where its allocator is available: FSDP2's ``ProcessGroupAllocMixin`` asks the same), else None
+    (gloo, the fake group)."""
     get = getattr(group, "_get_backend", None)
     if get is None:
         return None
     try:
-        backend = get(torch.device(device))
+        backend = get(device)
     except (RuntimeError, ValueError):  # no backend for that device
         return None
     supports = getattr(backend, "supports_tensor_alloc", None)
-    if supports is None or not hasattr(backend, "allocate_tensor") or not supports(torch.device(device)):
+    if supports is None or not hasattr(backend, "allocate_tensor") or not supports(device):
         return None
     return backend
 

@@ -180,7 +180,7 @@ def _group_allocated_gpu():
     torch.cuda.set_device(dev)
     nccl = dist.new_group(backend="nccl", device_id=dev)
     mesh = DeviceMesh.from_group(nccl, "cuda")
-    backend = group_allocator(nccl, "cuda")
+    backend = group_allocator(nccl, dev)
     out = {"allocator": backend is not None}
     # the comm FSDP2's ProcessGroupAlloc* comms are: buffers from the backend, torch.distributed's collectives
     comm = funcshard._comm.group_allocated(backend)

@@ -492,7 +492,8 @@ class FSDPModule:
                 raise AssertionError(f"cannot call set_allocate_memory_from_process_group() when {kind} comm is "
                                      f"custom: {f.__class__.__name__}")  # (FSDP2's words; a mock's spec class)
         axes = dp_axes(unit.mesh)
-        backend = group_allocator(unit.mesh.get_group(axes.shard), unit.mesh.device_type) if enable else None
+        device = device_of(unit.mesh, "set_allocate_memory_from_process_group_for_comm")
+        backend = group_allocator(unit.mesh.get_group(axes.shard), device) if enable else None
         self._set(False, comm=None if backend is None else group_allocated(backend))
 
     def _get_fsdp_state(self) -> FSDPState:
