@@ -23,6 +23,7 @@ import funcshard
 import funcshard.cost as C
 from funcshard import ShardingError
 from funcshard._runtime.observe import LISTENERS
+from funcshard._schedule import schedule
 from multirank import run_ranks
 
 K = 3
@@ -206,31 +207,18 @@ def test_reduce_scatter_queue_keeps_k_in_flight_with_the_same_results():
 # ---- one process: the plan field, its printout, the cost model ------------------------------------------------
 
 
-class _Blocks(nn.Module):
-    def __init__(self, n=4, d=64):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                                    for _ in range(n))
+def test_the_plan_field_its_printout_and_the_cost_models_buffers(fake_mesh2):
+    from models import MLP, Block
 
-    def forward(self, x):
-        for b in self.blocks:
-            x = x + b(x)
-        return x
-
-
-@pytest.fixture(scope="module")
-def mesh8():
-    mesh = C.fake_mesh(8)
-    yield mesh
-    dist.destroy_process_group()
-
-
-def test_the_plan_field_its_printout_and_the_cost_models_buffers(mesh8):
-    model = _Blocks(d=32)
-    plan = funcshard.plan(model, mesh8, groups=[f"blocks.{i}" for i in range(4)], prefetch=0,
+    model = MLP(d_in=32, d=32, layers=4)
+    plan = funcshard.plan(model, fake_mesh2, groups=(Block,), prefetch=0,
                           reduce_scatter_buffers=K)  # (no prefetch: no all-gather in flight beside the queue)
     assert plan.reduce_scatter_buffers == K and "; reduce-scatters in flight up to 3" in str(plan).splitlines()[0]
     assert "in flight" not in str(plan.replace(reduce_scatter_buffers=1)).splitlines()[0]
+    hsdp = funcshard.plan(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")),
+                          groups=(Block,), reduce_scatter_buffers=K)
+    assert str(hsdp).splitlines()[0].endswith("; reduce-scatters in flight up to 1 (reduce_scatter_buffers=3; HSDP: "
+                                              "each all-reduce follows its reduce-scatter)")
     for bad in (0, True, 1.5):
         with pytest.raises(ShardingError, match=rf"reduce_scatter_buffers must be an int >= 1 .*, got {bad!r}"):
             plan.replace(reduce_scatter_buffers=bad)
@@ -242,6 +230,8 @@ def test_the_plan_field_its_printout_and_the_cost_models_buffers(mesh8):
     traced: dict = {}  # (one traced step serves both plans)
     one, deep = C.estimate(base, x, loss=loss, profiles=traced), C.estimate(plan, x, loss=loss, profiles=traced)
     assert [c for c in one.collectives] == [c for c in deep.collectives]
-    rs_input = 2 * 32 * 128 * 4 + (128 + 32) * 4  # a block's unsharded gradient bytes (fp32): one reduce-scatter input
+    rs, = (c for op in schedule(plan).ops if op.kind == "reduce-scatter" and op.group == "blocks.0"
+           for c in op.collectives)  # a block's: its input (the padded unsharded gradients) and its output
     most = lambda est: max(p.bytes["comm_buffers"] for p in est.points)  # noqa: E731
-    assert most(deep) - most(one) == (K - 1) * (rs_input + rs_input // 8)  # K - 1 more inputs and outputs
+    assert most(deep) - most(one) == (K - 1) * (rs.nbytes + rs.nbytes // plan.world)  # K - 1 more inputs and outputs
+    assert deep.peak_bytes > one.peak_bytes
