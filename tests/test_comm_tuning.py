@@ -58,10 +58,17 @@ def _batch(i):
 
 def _apply_grads(mesh, k):
     """``value_and_grad`` over ``apply`` (its relays): gradients of two steps (the second after an SGD update), the
-    deepest queue seen."""
+    deepest queue seen; and of a block used twice, once under activation checkpointing, with a frozen weight
+    (``test_apply``'s ``_SharedFrozen``: its group is reduce-scattered twice, and its relay sums both)."""
     from models import MLP, Block
+    from test_apply import _SharedFrozen
 
     torch.manual_seed(0)
+    shared = funcshard.plan(_SharedFrozen(), mesh, groups=(Block,), reduce_scatter_buffers=k)
+    train = {n: v for n, v in funcshard.shard(shared).items() if shared.specs[n].requires_grad}
+    frozen = {n: v for n, v in funcshard.shard(shared).items() if not shared.specs[n].requires_grad}
+    x, y = _batch(7)
+    _, twice = funcshard.value_and_grad(lambda t: F.mse_loss(funcshard.apply(shared, {**t, **frozen}, x), y))(train)
     plan = funcshard.plan(MLP(layers=4), mesh, groups=(Block,), reduce_scatter_buffers=k)
     state = funcshard.shard(plan)
     out = []
@@ -71,7 +78,7 @@ def _apply_grads(mesh, k):
             _, grads = funcshard.value_and_grad(lambda s: F.mse_loss(funcshard.apply(plan, s, x), y))(state)
             out.append(grads)
             state = {n: v - 0.1 * grads[n] for n, v in state.items()}
-    return out, depth.most
+    return [twice, *out], depth.most
 
 
 def _fsdp_train(fs, mesh, k, micro=2):
@@ -160,7 +167,7 @@ def _job():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     (g1, most1), (gk, mostk) = _apply_grads(mesh, 1), _apply_grads(mesh, K)
     apply_same = all(g1[i].keys() == gk[i].keys() and all(torch.equal(g1[i][n], gk[i][n]) for n in g1[i])
-                     for i in range(2))
+                     for i in range(3))
     ours1, oursk = _fsdp_train(funcshard, mesh, None), _fsdp_train(funcshard, mesh, K)
     out = {"apply": (apply_same, most1, mostk),
            "fsdp": (ours1[0] == oursk[0] and _same(ours1[1], oursk[1]), ours1[2], oursk[2])}

@@ -107,12 +107,15 @@ class ReduceQueue(Part):
                 sink.deliver(name, shards, extra)
 
     def finish_if(self, name: str, extra: Any) -> None:
-        """The group's shards are wanted now (its relay's backward): take its reduce-scatter if it is in flight, and
-        the older ones first (they are delivered in the order they were issued)."""
+        """The group's shards are wanted now (its relay's backward): take its reduce-scatters in flight (a group used
+        twice in forward may have two: its relay sums them), and the older ones first (they are delivered in the order
+        they were issued)."""
+        last = None
         for i, item in enumerate(self.items):
             if item[0] == name and item[3] == extra:
-                self.finish(keep=len(self.items) - i - 1)
-                return
+                last = i
+        if last is not None:
+            self.finish(keep=len(self.items) - last - 1)
 
     def drop(self) -> None:
         """Wait for the reduce-scatters in flight, if any, and drop their results (what an aborted backward left;
