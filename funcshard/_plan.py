@@ -129,14 +129,7 @@ class Plan:
         check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
             (``_runtime/check.py``); off by default (a store round trip per collective).
         owner_steps: the optimizer step's owner exchanges, ``_owner.OwnerStep`` each (:meth:`with_optimizer`).
-        reduce_scatter_buffers: how many groups' gradient reduce-scatters backward keeps in flight at once, each
-            holding its buffers (FSDP2's ``set_reduce_scatter_max_input_buffers``): a group's post-backward waits for
-            the oldest one only when this many are in flight. 1 (default): one at a time, each waited in the next
-            group's post-backward. More: an exposed (slow) reduce-scatter no longer stalls the next group's backward,
-            at the memory of the buffers kept (``funcshard.cost`` counts them). The same results whatever the value.
-            With a replicate axis (HSDP) each reduce-scatter is taken before the next collective, so that its
-            all-reduce follows it (the schedule's order): one in flight, whatever the value
-            (``_schedule.reduce_scatter_depth``).
+        reduce_scatter_buffers: how many reduce-scatters backward keeps in flight at once (:func:`funcshard.plan`).
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -361,20 +354,7 @@ class Plan:
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
-        depth = reduce_scatter_depth(self)
-        lines = [
-            f"Plan over {mesh_str(self.mesh)} ({self.axes_str()}), "
-            f"{len(self.specs)} parameters in {len(self.groups)} groups; "
-            f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
-            f"gradients divided by {self.divide_factor:g} after reduce-scatter"
-            f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}"
-            + (f"; timeout {self.timeout:g} s" if self.timeout is not None else "")
-            + ("; check mode" if self.check else "")
-            + (f"; reduce-scatters in flight up to {depth}" + (
-                f" (reduce_scatter_buffers={self.reduce_scatter_buffers}; HSDP: each all-reduce follows its "
-                f"reduce-scatter)" if depth != self.reduce_scatter_buffers else "")
-               if self.reduce_scatter_buffers != 1 else ""),
-        ]
+        lines = [_header(self)]
         step = schedule(self)
         for g in self.groups:
             nbytes = step.unsharded_nbytes(g.name)
@@ -432,6 +412,21 @@ def _owner_lines(plan: Plan, n: int) -> list[str]:
     where = f"  [all-to-all on axis {axis_name(plan.mesh, plan.shard_axis)} ({plan.world} ranks)]"
     collectives = [c for s in plan.owner_steps for c in s.collectives]
     return [f"    {n + i:>3}. {c.line()}{where}" for i, c in enumerate(collectives, 1)]
+
+
+def _header(p: Plan) -> str:
+    """The first line of ``str(plan)``: the mesh, the sizes, the schedule's settings."""
+    depth = reduce_scatter_depth(p)
+    return (f"Plan over {mesh_str(p.mesh)} ({p.axes_str()}), {len(p.specs)} parameters in {len(p.groups)} groups; "
+            f"prefetch forward {p.forward_prefetch} backward {p.backward_prefetch}; "
+            f"gradients divided by {p.divide_factor:g} after reduce-scatter"
+            f"{'' if p.replicate_axis is None else ' and all-reduce'}; layout {p.layout}"
+            + (f"; timeout {p.timeout:g} s" if p.timeout is not None else "")
+            + ("; check mode" if p.check else "")
+            + (f"; reduce-scatters in flight up to {depth}" + (
+                f" (reduce_scatter_buffers={p.reduce_scatter_buffers}; HSDP: each all-reduce follows its "
+                f"reduce-scatter)" if depth != p.reduce_scatter_buffers else "")
+               if p.reduce_scatter_buffers != 1 else ""))
 
 
 # ---- building a plan ---------------------------------------------------------------------------
@@ -513,8 +508,13 @@ def plan(
         comm: a ``funcshard.CommHook`` for every group (``plan.with_group(name, comm=...)`` for one): its functions
             run the groups' all-gathers and/or reduce-scatters (e.g. ``funcshard.int8_all_gather()``, a quantized
             all-gather); ``str(plan)`` and ``funcshard.cost`` count the bytes the hook says it moves.
-        reduce_scatter_buffers: how many reduce-scatters backward keeps in flight at once (an int >= 1; see
-            :class:`Plan`; FSDP2's ``set_reduce_scatter_max_input_buffers``).
+        reduce_scatter_buffers: how many groups' gradient reduce-scatters backward keeps in flight at once (an int
+            >= 1), each holding its buffers (FSDP2's ``set_reduce_scatter_max_input_buffers``): a group's
+            post-backward waits for the oldest one only when this many are in flight. 1 (default): one at a time,
+            each waited in the next group's post-backward. More: an exposed (slow) reduce-scatter no longer stalls the
+            next group's backward, at the memory of the buffers kept (``funcshard.cost`` counts them). The same
+            results whatever the value. With a replicate axis (HSDP) each reduce-scatter is taken before the next
+            collective, so that its all-reduce follows it (the schedule's order): one in flight, whatever the value.
 
     Parameters that are DTensors (tensor parallel: ``parallelize_module(module, mesh['tp'], ...)`` with ``mesh``
     ``mesh['dp']`` of the same root mesh; or on the full mesh with ``dp_mesh_dims``) are sharded as their local
