@@ -230,6 +230,35 @@ class FSFullyShard(FSDP2):
         return mp_policy(precision, funcshard.MixedPrecisionPolicy)
 
 
+class FSDP2Script(FSDP2):
+    """The typical FSDP2 training script (issue 36): two microbatches of half the loss each, the first without
+    gradient sync (``set_requires_gradient_sync``), ``clip_grad_norm_`` over the DTensor parameters, then
+    ``torch.optim.AdamW``. ``max_norm`` is large enough that nothing is clipped (the norm is computed and the
+    gradients scaled by 1.0, the same work): the losses stay comparable with the other systems'. Opt-in
+    (``--systems``)."""
+
+    name = "fsdp2_script"
+    MICRO, MAX_NORM = 2, 1e9
+
+    def step(self) -> torch.Tensor:
+        total = 0.0
+        for m in range(self.MICRO):
+            self.model.set_requires_gradient_sync(m == self.MICRO - 1)
+            loss = _loss(self.model(self.x), self.y) / self.MICRO
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total
+
+
+class FSFullyShardScript(FSDP2Script, FSFullyShard):
+    """``FSDP2Script`` with funcshard's ``fully_shard`` (``FSFullyShard``'s: only the import differs)."""
+
+    name = "fs_fully_shard_script"
+
+
 class FSApply:
     name = "fs_apply"
     plan_kwargs: ClassVar[dict] = {}  # e.g. {"layout": "flat"} in a variant
@@ -303,7 +332,8 @@ DONATE = _has_donate()
 
 
 BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fsdp2_async": FSDP2Async, "fs_apply": FSApply,
-            "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard, "fsdp2_fp32": FSDP2FP32}
+            "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard, "fsdp2_fp32": FSDP2FP32,
+            "fsdp2_script": FSDP2Script, "fs_fully_shard_script": FSFullyShardScript}
 
 
 def available(name: str) -> str | None:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from funcshard._collectives import all_gather_into, group_label, reduce_scatter_into
 from funcshard._spec import ShardingError
 
-__all__ = ["CommHook", "bf16_reduce_scatter", "check_comm", "check_extension", "custom_comm", "hook_nbytes", "int8_all_gather",
+__all__ = ["CommHook", "GroupAllocated", "bf16_reduce_scatter", "group_allocated", "check_comm", "check_extension", "custom_comm", "hook_nbytes", "int8_all_gather",
            "plain", "wire_nbytes"]
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
@@ -113,6 +113,37 @@ def custom_comm(current: CommHook | None, where: str, **change: Any) -> CommHook
                         f"allocate(size, *, dtype, device) -> Tensor and an in-place __call__(output_tensor, "
                         f"input_tensor, group, ...) -> Work | None")
     return dataclasses.replace(current or CommHook(), **change)
+
+
+class GroupAllocated:
+    """FSDP2's ``ProcessGroupAllocAllGather`` / ``ProcessGroupAllocReduceScatter`` (``fully_shard``'s
+    ``set_allocate_memory_from_process_group_for_comm``): an FSDP2 comm whose buffers come from the process group's
+    backend (``allocate_tensor``: NCCL's allocator, registered with the communicator), running ``torch.distributed``'s
+    collective. Made only for a backend that allocates (``_compat.group_allocator``)."""
+
+    def __init__(self, kind: str, backend: Any):
+        self.kind, self.backend = kind, backend
+
+    def __repr__(self) -> str:
+        return f"process-group-allocated {self.kind}"
+
+    def allocate(self, size, *, dtype: torch.dtype, device) -> torch.Tensor:
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        return self.backend.allocate_tensor(numel, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: Any = None,
+                 async_op: bool = True):
+        if self.kind == ALL_GATHER:
+            return all_gather_into(output_tensor, input_tensor, group, async_op)
+        return reduce_scatter_into(output_tensor, input_tensor, group, async_op)  # (SUM: funcshard's only op)
+
+
+def group_allocated(backend: Any) -> CommHook:
+    """The comm hook of a group whose buffers the process group's backend allocates (``GroupAllocated``)."""
+    return CommHook(all_gather=GroupAllocated(ALL_GATHER, backend),
+                    reduce_scatter=GroupAllocated(REDUCE_SCATTER, backend))
 
 
 def hooked(comm: CommHook | None, kind: str, world: int | None = None) -> bool:

@@ -228,6 +228,33 @@ DCP_WRITE_ITEMS, DCP_CHUNK_LIST, DCP_TENSOR_SHARD = (
     "__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
 
 
+# ---- process-group allocation and FSDP2's comm classes (fully_shard's comm-tuning setters) -------------------------
+def group_allocator(group, device: torch.device):
+    """The backend of ``group`` for ``device`` (with its index: ``cuda:0``) when it allocates communication tensors
+    itself (NCCL's, where its allocator is available: FSDP2's ``ProcessGroupAllocMixin`` asks the same), else None
+    (gloo, the fake group)."""
+    get = getattr(group, "_get_backend", None)
+    if get is None:
+        return None
+    try:
+        backend = get(device)
+    except (RuntimeError, ValueError):  # no backend for that device
+        return None
+    supports = getattr(backend, "supports_tensor_alloc", None)
+    if supports is None or not hasattr(backend, "allocate_tensor") or not supports(device):
+        return None
+    return backend
+
+
+def is_symm_mem_reduce_scatter(comm) -> bool:
+    """Whether ``comm`` is FSDP2's symmetric-memory reduce-scatter (torch 2.11 may lack the class: then False)."""
+    if comm is None:
+        return False
+    mod = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    cls = getattr(mod, "SymmMemReduceScatter", None)
+    return cls is not None and isinstance(comm, cls)
+
+
 def dcp_bytes_write_items(fqn: str, obj) -> list:
     """DCP's write items for ``obj`` pickled whole (what it does for a value without the protocol)."""
     from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_bytesio
@@ -264,5 +291,5 @@ __all__ = [
     "all_gather_name", "reduce_scatter_name", "FakeTensorMode", "TorchDispatchMode", "flop_registry", "op_is_mutable",
     "FakeTensor",
     "fake_store", "process_group_store", "DCP_WRITE_ITEMS", "DCP_CHUNK_LIST", "DCP_TENSOR_SHARD",
-    "dcp_bytes_write_items", "composable_registry", "composable_apis", "mark_composable", "assume_constant_result",
+    "dcp_bytes_write_items", "group_allocator", "is_symm_mem_reduce_scatter", "composable_registry", "composable_apis", "mark_composable", "assume_constant_result",
 ]

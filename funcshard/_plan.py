@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from funcshard._collectives import check_timeout
 from funcshard._comm import CommHook, check_comm, check_extension, wire_nbytes
 from funcshard._compat import dtensor_local
-from funcshard._schedule import label, passes, schedule
+from funcshard._schedule import label, passes, reduce_scatter_depth, schedule
 from funcshard._mesh import (
     axis_name,
     dp_axes,
@@ -129,6 +129,7 @@ class Plan:
         check: check mode: the ranks check, out of band, that they issue the same collectives in the same order
             (``_runtime/check.py``); off by default (a store round trip per collective).
         owner_steps: the optimizer step's owner exchanges, ``_owner.OwnerStep`` each (:meth:`with_optimizer`).
+        reduce_scatter_buffers: how many reduce-scatters backward keeps in flight at once (:func:`funcshard.plan`).
     """
 
     module: nn.Module = dataclasses.field(repr=False, compare=False)
@@ -146,6 +147,7 @@ class Plan:
     timeout: float | None = None
     check: bool = False
     owner_steps: tuple[OwnerStep, ...] = dataclasses.field(default=(), repr=False)
+    reduce_scatter_buffers: int = 1
     # what other modules derive from the plan (layouts, schedule, runtime facts): computed once per Plan object,
     # kept with it (a new, edited plan starts empty), so nothing outside holds a plan or its module alive
     _derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -352,15 +354,7 @@ class Plan:
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
-        lines = [
-            f"Plan over {mesh_str(self.mesh)} ({self.axes_str()}), "
-            f"{len(self.specs)} parameters in {len(self.groups)} groups; "
-            f"prefetch forward {self.forward_prefetch} backward {self.backward_prefetch}; "
-            f"gradients divided by {self.divide_factor:g} after reduce-scatter"
-            f"{'' if self.replicate_axis is None else ' and all-reduce'}; layout {self.layout}"
-            + (f"; timeout {self.timeout:g} s" if self.timeout is not None else "")
-            + ("; check mode" if self.check else ""),
-        ]
+        lines = [_header(self)]
         step = schedule(self)
         for g in self.groups:
             nbytes = step.unsharded_nbytes(g.name)
@@ -420,6 +414,21 @@ def _owner_lines(plan: Plan, n: int) -> list[str]:
     return [f"    {n + i:>3}. {c.line()}{where}" for i, c in enumerate(collectives, 1)]
 
 
+def _header(p: Plan) -> str:
+    """The first line of ``str(plan)``: the mesh, the sizes, the schedule's settings."""
+    depth = reduce_scatter_depth(p)
+    return (f"Plan over {mesh_str(p.mesh)} ({p.axes_str()}), {len(p.specs)} parameters in {len(p.groups)} groups; "
+            f"prefetch forward {p.forward_prefetch} backward {p.backward_prefetch}; "
+            f"gradients divided by {p.divide_factor:g} after reduce-scatter"
+            f"{'' if p.replicate_axis is None else ' and all-reduce'}; layout {p.layout}"
+            + (f"; timeout {p.timeout:g} s" if p.timeout is not None else "")
+            + ("; check mode" if p.check else "")
+            + (f"; reduce-scatters in flight up to {depth}" + (
+                f" (reduce_scatter_buffers={p.reduce_scatter_buffers}; HSDP: each all-reduce follows its "
+                f"reduce-scatter)" if depth != p.reduce_scatter_buffers else "")
+               if p.reduce_scatter_buffers != 1 else ""))
+
+
 # ---- building a plan ---------------------------------------------------------------------------
 
 GroupPolicy = (
@@ -450,6 +459,7 @@ def plan(
     check: bool = False,
     dp_mesh_dims: Any = None,
     comm: CommHook | None = None,
+    reduce_scatter_buffers: int = 1,
     _spec_of: Callable[[str, nn.Parameter], ShardSpec] | None = None,
 ) -> Plan:
     """Plan how ``module``'s parameters are sharded over ``mesh`` and scheduled.
@@ -498,6 +508,13 @@ def plan(
         comm: a ``funcshard.CommHook`` for every group (``plan.with_group(name, comm=...)`` for one): its functions
             run the groups' all-gathers and/or reduce-scatters (e.g. ``funcshard.int8_all_gather()``, a quantized
             all-gather); ``str(plan)`` and ``funcshard.cost`` count the bytes the hook says it moves.
+        reduce_scatter_buffers: how many groups' gradient reduce-scatters backward keeps in flight at once (an int
+            >= 1), each holding its buffers (FSDP2's ``set_reduce_scatter_max_input_buffers``): a group's
+            post-backward waits for the oldest one only when this many are in flight. 1 (default): one at a time,
+            each waited in the next group's post-backward. More: an exposed (slow) reduce-scatter no longer stalls the
+            next group's backward, at the memory of the buffers kept (``funcshard.cost`` counts them). The same
+            results whatever the value. With a replicate axis (HSDP) each reduce-scatter is taken before the next
+            collective, so that its all-reduce follows it (the schedule's order): one in flight, whatever the value.
 
     Parameters that are DTensors (tensor parallel: ``parallelize_module(module, mesh['tp'], ...)`` with ``mesh``
     ``mesh['dp']`` of the same root mesh; or on the full mesh with ``dp_mesh_dims``) are sharded as their local
@@ -583,6 +600,7 @@ def plan(
         replicate_axis=axes.replicate,
         timeout=timeout,
         check=bool(check),
+        reduce_scatter_buffers=reduce_scatter_buffers,
     )
     _check_schedule(result)
     return result
@@ -809,6 +827,10 @@ def _check_schedule(p: Plan) -> None:
     if missing:
         raise ShardingError(f"parameters {sorted(missing)} are in no group; every parameter needs one")
     check_timeout(p.timeout, "plan")
+    k = p.reduce_scatter_buffers
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ShardingError(f"reduce_scatter_buffers must be an int >= 1 (how many reduce-scatters backward keeps in "
+                            f"flight; 1: one at a time), got {k!r}")
     f = p.grad_divide_factor
     if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf):
         raise ShardingError(f"grad_divide_factor must be a finite number > 0 (None: the data-parallel size), got "

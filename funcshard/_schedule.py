@@ -13,6 +13,9 @@ parent's outputs before its children's), the groups it encloses run their backwa
 reduce-scattered and freed after them (its parameters' gradients complete after its children's: the usual case, a
 parent that uses its parameters before it calls its children). A group's all-reduce over the replicate axis (HSDP)
 follows its reduce-scatter before any later all-gather. The root group is gathered first and reduce-scattered last.
+Up to :func:`reduce_scatter_depth` reduce-scatters are in flight at once (``Plan.reduce_scatter_buffers``): each is
+waited in the post-backward that would put one more in flight, or at the end of backward; the order they are issued in
+is the same whatever the depth.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from funcshard._spec import ShardSpec, reduced, takes_grad
 if TYPE_CHECKING:
     from funcshard._plan import Plan
 
-__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "schedule"]
+__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "reduce_scatter_depth",
+           "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -180,12 +184,15 @@ class Schedule:
     Attributes:
         ops: the step's ops in issue order (``Op``).
         group_nbytes: ``(group name, bytes unsharded)`` per group, in plan order.
+        reduce_scatter_depth: how many reduce-scatters are in flight at once at most (:func:`reduce_scatter_depth`):
+            each is waited when one more would exceed it, or at the end of backward.
     """
 
     ops: tuple[Op, ...]
     group_nbytes: tuple[tuple[str, int], ...]
     kept_fraction: tuple[int, ...] = ()  # per group: 0 freed after forward, 1 kept, k a k-th kept
     copies: tuple[HostCopy, ...] = ()  # CPU offload: the step's host <-> device copies, in issue order
+    reduce_scatter_depth: int = 1  # reduce-scatters in flight at once at most (reduce_scatter_depth)
 
     def lines(self) -> list[str]:
         """The step as printed by ``Plan.collective_order()``, one string per op."""
@@ -236,6 +243,13 @@ class Schedule:
         not resharded after forward in full, those resharded to ``k`` ranks a ``k``-th (what the memory between the
         True and False cases is)."""
         return sum(n // k for n, k in zip(dict(self.group_nbytes).values(), self.kept_fraction) if k)
+
+
+def reduce_scatter_depth(plan: Plan) -> int:
+    """How many reduce-scatters backward keeps in flight at once (the runtime's ``ReduceQueue``, the cost model's
+    replay): ``Plan.reduce_scatter_buffers``, but one with a replicate axis (HSDP), where each reduce-scatter is taken
+    before the next collective so that its all-reduce follows it (the order above)."""
+    return 1 if plan.replicas > 1 else plan.reduce_scatter_buffers
 
 
 def schedule(plan: Plan) -> Schedule:
@@ -421,4 +435,4 @@ def _build(plan: Plan) -> Schedule:
     kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
                  for g in plan.groups)
     return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups),
-                    kept, tuple(copies))
+                    kept, tuple(copies), reduce_scatter_depth(plan))

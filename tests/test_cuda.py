@@ -167,3 +167,60 @@ def test_cpu_offload_on_gpu():
     assert r["moments"] == {("cpu", True)} and r["optim_equal"]
     copies, compute, made = r["streams"]
     assert made and copies and not copies & compute  # the state copies ran on the copy stream, beside the step
+
+
+# ---- set_allocate_memory_from_process_group_for_comm (issue 36): NCCL's allocator -------------------------------
+
+
+def _group_allocated_gpu():
+    from funcshard._comm import GroupAllocated
+    from funcshard._compat import group_allocator
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    nccl = dist.new_group(backend="nccl", device_id=dev)
+    mesh = DeviceMesh.from_group(nccl, "cuda")
+    backend = group_allocator(nccl, dev)
+    # FSDP2's condition (ProcessGroupAllocMixin): the backend says it allocates (NCCL >= 2.19 with its allocator
+    # built in; torch 2.11+cu130's NCCL 2.28.9 on the H200 here says no: "NCCL mem allocator is not supported")
+    out = {"allocator": backend is not None, "supports": nccl._get_backend(dev).supports_tensor_alloc(dev)}
+    if backend is not None:  # the comm FSDP2's ProcessGroupAlloc* comms are: its buffers, torch's collectives
+        comm = funcshard._comm.group_allocated(backend)
+        buf = comm.all_gather.allocate((16,), dtype=torch.float32, device=dev)
+        inp = torch.arange(16.0, device=dev)
+        comm.all_gather(output_tensor=buf, input_tensor=inp, group=nccl, async_op=True).wait()
+        rs = comm.reduce_scatter.allocate((16,), dtype=torch.float32, device=dev)
+        comm.reduce_scatter(output_tensor=rs, input_tensor=inp, group=nccl, async_op=True).wait()
+        out["collectives"] = buf.is_cuda and torch.equal(buf, inp) and torch.equal(rs, inp)
+    # fully_shard with it: the units' groups run on it, the same losses and parameters bit for bit
+    runs = {}
+    for enable in (False, True):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to(dev)
+        for b in model.blocks:
+            funcshard.fully_shard(b, mesh=mesh)
+            b.set_allocate_memory_from_process_group_for_comm(enable)
+        funcshard.fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, _ = _gpt_steps(model, dev, opt, steps=2)
+        plan = model._get_fsdp_state()._unit.ctx.plan()
+        runs[enable] = (losses, [p.full_tensor().cpu() for p in model.parameters()],
+                        sorted({isinstance(g.comm.all_gather, GroupAllocated) for g in plan.groups if g.comm}))
+    out["same"] = runs[False][0] == runs[True][0] and all(torch.equal(a, b) for a, b in zip(runs[False][1],
+                                                                                            runs[True][1]))
+    out["comms"] = (runs[False][2], runs[True][2])
+    dist.destroy_process_group(nccl)
+    return out
+
+
+def test_allocate_memory_from_process_group_on_nccl():
+    """Where NCCL offers an allocator the setting makes the units' buffers come from it (FSDP2's ProcessGroupAlloc
+    comms), with the same results; where it does not (this NCCL build) it is a no-op, as FSDP2's falls back to
+    torch's allocator. One GPU: a 1-rank group runs no collective in a step, so the step's own buffers come from
+    torch's allocator there; the comm's allocate and collectives are run directly."""
+    r = run_ranks(1, _group_allocated_gpu)[0]
+    assert r["allocator"] == r["supports"] and r["same"]
+    if r["supports"]:
+        assert r["collectives"] and r["comms"] == ([], [True])
+    else:
+        assert r["comms"] == ([], [])

@@ -1,10 +1,11 @@
 """Backward: the reduce-scatter queue, freeing groups with frozen parameters, and recomputation.
 
-- ``ReduceQueue``: one reduce-scatter in flight at a time. A group's post-backward frees the group first, then
-  takes the reduce-scatter still in flight (so its buffers are gone before this one's are allocated), then issues
-  its own; it is taken in the next group's post-backward, or at the end of backward, and its shards go to a sink
-  (``deliver``), so that it runs while the next group's backward computes (FSDP2 does this on CUDA with its
-  reduce-scatter stream).
+- ``ReduceQueue``: the reduce-scatters in flight, oldest first: one at a time by default. A group's post-backward
+  frees the group first, then takes the reduce-scatter still in flight (so its buffers are gone before this one's are
+  allocated), then issues its own; it is taken in the next group's post-backward, or at the end of backward, and its
+  shards go to a sink (``deliver``), so that it runs while the next group's backward computes (FSDP2 does this on
+  CUDA with its reduce-scatter stream). ``Plan.reduce_scatter_buffers`` = K keeps up to K in flight (FSDP2's
+  ``set_reduce_scatter_max_input_buffers``): a post-backward takes the oldest only while K are.
 - ``FrozenRelease``: a group with a frozen parameter may still be read by backward ops that do not reach its
   gather node (the gradient of its input through a frozen weight), so it is freed only once every use's input
   gradients are done and its post-backward ran for every gather that made autograd history.
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +28,7 @@ from funcshard._compile import runtime_boundary
 from funcshard._offload import host_reduce
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
+from funcshard._schedule import reduce_scatter_depth
 from funcshard._tree import module_io_leaves
 
 if TYPE_CHECKING:
@@ -37,15 +40,16 @@ class ReduceQueue(Part):
 
     def __init__(self, step: Step):
         super().__init__(step)
-        self.item: tuple | None = None  # (group, PendingReduce, sink, extra)
+        self.items: deque[tuple] = deque()  # (group, PendingReduce, sink, extra), oldest first
 
     def start(self, name: str, grads: list):
-        """Free the group (``grads_done``), take the reduce-scatter in flight, then issue the group's (consumes
-        ``grads``, plain tensors (``raw_grads``: the caller made them so once): each is dropped once copied into the
-        reduce-scatter input)."""
+        """Free the group (``grads_done``), take the oldest reduce-scatters in flight until fewer than the plan's
+        depth are (``_schedule.reduce_scatter_depth``: one by default, so the one in flight is taken), then issue the
+        group's (consumes ``grads``, plain tensors (``raw_grads``: the caller made them so once): each is dropped once
+        copied into the reduce-scatter input)."""
         step = self.step
         step.frozen.grads_done(name)
-        self.finish()
+        self.finish(keep=reduce_scatter_depth(step.plan) - 1)
         step.checks.collective(f"reduce-scatter of group {name!r} (backward)")
         return self.issue(name, grads)
 
@@ -64,23 +68,23 @@ class ReduceQueue(Part):
         return pending
 
     def before_gather(self) -> None:
-        """An all-gather is about to be issued: a reduce-scatter in flight whose output is all-reduced over the
-        replicate axis (HSDP) is taken first, so that its all-reduce comes before the all-gather, in every path (the
-        schedule's order and FSDP2's, which issues the all-reduce right after the reduce-scatter; on gloo the
-        all-reduce can only start once the reduce-scatter is done). Its buffers are freed before the all-gather's
-        are allocated. Without a replicate axis nothing is taken: the reduce-scatter keeps running while the next
+        """An all-gather is about to be issued: the reduce-scatters in flight whose outputs are all-reduced over the
+        replicate axis (HSDP) are taken first, so that their all-reduces come before the all-gather, in every path
+        (the schedule's order and FSDP2's, which issues the all-reduce right after the reduce-scatter; on gloo the
+        all-reduce can only start once the reduce-scatter is done). Their buffers are freed before the all-gather's
+        are allocated. Without a replicate axis nothing is taken: the reduce-scatters keep running while the next
         group's backward computes."""
-        if self.item is not None and self.item[1].replicate is not None:
-            self.finish()
+        while self.items and self.items[0][1].replicate is not None:
+            self.finish(keep=len(self.items) - 1)
 
     def defer(self, name: str, pending, sink, extra: Any) -> None:
-        self.item = (name, pending, sink, extra)
+        self.items.append((name, pending, sink, extra))
 
     def _take(self) -> tuple | None:
-        if self.item is None:
+        """The oldest reduce-scatter in flight, waited (None: none is)."""
+        if not self.items:
             return None
-        name, pending, sink, extra = self.item
-        self.item = None
+        name, pending, sink, extra = self.items.popleft()
         if LISTENERS and self.observed:
             emit("reduce-scatter wait", name, pending)
         options = sink.reduce_options(name) if hasattr(sink, "reduce_options") else {}
@@ -94,26 +98,38 @@ class ReduceQueue(Part):
             emit("reduce-scatter done", name, pending)
         return name, shards, sink, extra
 
-    def finish(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and deliver its shards (none when the sink keeps its sums
-        without an all-reduce: ``reduce_options``)."""
-        if (taken := self._take()) is not None:
-            name, shards, sink, extra = taken
+    def finish(self, keep: int = 0) -> None:
+        """Wait for the reduce-scatters in flight, oldest first, until ``keep`` are left, and deliver their shards
+        (none when the sink keeps its sums without an all-reduce: ``reduce_options``)."""
+        while len(self.items) > keep:
+            name, shards, sink, extra = self._take()
             if shards is not None:
                 sink.deliver(name, shards, extra)
 
     def finish_if(self, name: str, extra: Any) -> None:
-        if self.item is not None and self.item[0] == name and self.item[3] == extra:
-            self.finish()
+        """The group's shards are wanted now (its relay's backward): take its reduce-scatters in flight (a group used
+        twice in forward may have two: its relay sums them), and the older ones first (they are delivered in the order
+        they were issued)."""
+        last = None
+        for i, item in enumerate(self.items):
+            if item[0] == name and item[3] == extra:
+                last = i
+        if last is not None:
+            self.finish(keep=len(self.items) - last - 1)
 
     def drop(self) -> None:
-        """Wait for the reduce-scatter in flight, if any, and drop its result (what an aborted backward left; one on a
-        process group an earlier failure broke is dropped without waiting)."""
+        """Wait for the reduce-scatters in flight, if any, and drop their results (what an aborted backward left;
+        those on a process group an earlier failure broke are dropped without waiting)."""
         try:
-            self._take()
+            while self.items:
+                self._take()
         except CollectiveError as e:
             if not e.repeat:
                 raise
+
+    def clear(self) -> None:
+        """Forget what is in flight without waiting (``Step.fail``: its buffers stay with the backend's work)."""
+        self.items.clear()
 
 
 class Counts:

@@ -7,7 +7,7 @@
     binding.ForwardTracker  when a group's forward pass starts and ends (groups of one or several modules)
     prefetch.Prefetcher     which groups to gather early; the order the forwards ran in
     strategies.Nodes/Relay/Fused   how a group's gather enters autograd (plain, relayed, whole-step)
-    backward.ReduceQueue    the reduce-scatter in flight and where its shards go
+    backward.ReduceQueue    the reduce-scatters in flight and where their shards go
     backward.FrozenRelease  when a group with frozen parameters may be freed in backward
     backward.Recompute      activation-checkpoint recomputation inside backward
     check.Checks            the ranks agree on which parameters take gradients (always), on the collectives (check mode)
@@ -153,7 +153,7 @@ class Step:
             return
         self.failed = f"{type(error).__name__}: {error}"  # (text, not the error: its traceback's frames hold the
         # graph, which holds the step: a cycle through autograd's C++ nodes that gc cannot break; steps leaked)
-        self.reduce_queue.item = None
+        self.reduce_queue.clear()
         self.in_forward = False
         for run in self.runs.values():
             run.drop()

@@ -40,6 +40,7 @@ from funcshard._compat import (
     will_engine_execute_node,
 )
 from funcshard._runtime.part import Part
+from funcshard._schedule import reduce_scatter_depth
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -230,10 +231,13 @@ class Relay(Part):
         self._position = {n: i for i, n in enumerate(self._names)}
 
     def tokens_for(self, name: str) -> torch.Tensor | None:
-        """The group's token, and the next trainable group's relay made now: autograd runs it after this group's
-        backward."""
+        """The group's token, and the relays of the next trainable groups made now, as many as reduce-scatters may
+        be in flight (``_schedule.reduce_scatter_depth``; one by default): autograd runs each after this group's
+        backward, so that a group's shards are asked for (``ReduceQueue.finish_if``) no earlier than the queue takes
+        its reduce-scatter anyway."""
         token = self._token(name)
-        self._token(self._next_trainable(name))
+        for ahead in self._next_trainable(name, reduce_scatter_depth(self.step.plan)):
+            self._token(ahead)
         return token
 
     def _token(self, name: str | None) -> torch.Tensor | None:
@@ -250,14 +254,17 @@ class Relay(Part):
                 self.token_zero = torch.zeros((), device=token.device)
         return token
 
-    def _next_trainable(self, name: str) -> str | None:
-        """The trainable group after ``name`` in the plan's order that has no relay yet (the forward runs in the
-        plan's order unless warned; if not, a relay is just made later, and waits a little longer)."""
+    def _next_trainable(self, name: str, depth: int) -> list[str]:
+        """The next ``depth`` trainable groups after ``name`` in the plan's order (the forward runs in the plan's
+        order unless warned; if not, a relay is just made later, and waits a little longer)."""
         names, groups = self._names, self.step.groups
+        out: list[str] = []
         for k in range(self._position[name] + 1, len(names)):
-            if groups[names[k]].trainable and names[k] not in self.tokens:
-                return names[k]
-        return None
+            if len(out) == depth:
+                break
+            if groups[names[k]].trainable:
+                out.append(names[k])
+        return out
 
     def end_forward(self) -> None:
         self.tokens.clear()  # the graph holds them (and the step): the step must not hold the graph

@@ -19,13 +19,14 @@ from torch.distributed.tensor import DTensor, Shard
 from funcshard._collectives import check_timeout
 from funcshard._compat import (
     buffer_slots,
+    group_allocator,
     composable_apis,
     current_graph_task_id,
     dtensor_local,
     mark_composable,
     param_slots,
 )
-from funcshard._comm import custom_comm
+from funcshard._comm import GroupAllocated, custom_comm, group_allocated
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import (
     check_mesh,
@@ -453,6 +454,48 @@ class FSDPModule:
         unit = unit_of(self)
         self._set(False, comm=custom_comm(unit.comm, unit.name(), reduce_scatter=comm))
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reduce-scatters backward keeps in flight at once, each holding its input buffer (FSDP2
+        2.13's, the plan's ``reduce_scatter_buffers``): a module's post-backward waits for the oldest only when this
+        many are in flight. 1 (default): the next group's post-backward waits for the one in flight; more: an exposed
+        reduce-scatter no longer stalls the next group's backward, at the memory of the buffers kept. The queue spans
+        the model: it keeps the most any of its modules asked for (as FSDP2 resolves it). The same gradients whatever
+        the value. Takes effect at the next post-backward (FSDP2 reads it once, at its lazy initialization). With HSDP
+        each reduce-scatter is still taken before the next collective, so that its all-reduce follows it: one in
+        flight.
+
+        Args:
+            max_input_buffers: an int >= 1.
+            recurse: apply it to every FSDP module inside this one too (else to this module's unit only).
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):  # (FSDP2's checks)
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        self._set(recurse, reduce_scatter_buffers=max_input_buffers)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate this module's all-gather and reduce-scatter buffers with the process group's own allocator, where
+        it has one (NCCL's, e.g. for zero-copy transfers over SHARP), as FSDP2 does (not recursive). Where the process
+        group has none (gloo, the CPU) this is a no-op: the buffers come from torch's allocator either way. Refused
+        (``AssertionError``, as in FSDP2) once ``set_custom_all_gather`` or ``set_custom_reduce_scatter`` set a comm
+        for this module; either set after it replaces it for its collective.
+
+        Args:
+            enable: allocate from the process group (False: from torch's allocator again).
+        """
+        unit = unit_of(self)
+        current = unit.comm
+        for kind, field in (("all gather", "all_gather"), ("reduce scatter", "reduce_scatter")):
+            f = None if current is None else getattr(current, field)
+            if f is not None and not isinstance(f, GroupAllocated):
+                raise AssertionError(f"cannot call set_allocate_memory_from_process_group() when {kind} comm is "
+                                     f"custom: {f.__class__.__name__}")  # (FSDP2's words; a mock's spec class)
+        axes = dp_axes(unit.mesh)
+        device = device_of(unit.mesh, "set_allocate_memory_from_process_group_for_comm")
+        backend = group_allocator(unit.mesh.get_group(axes.shard), device) if enable else None
+        self._set(False, comm=None if backend is None else group_allocated(backend))
+
     def _get_fsdp_state(self) -> FSDPState:
         """``fully_shard.state(self)`` (FSDP2's method of the same name)."""
         return state_of(unit_of(self))
@@ -469,8 +512,7 @@ def _unbuilt_method(self, *args: Any, _name: str, **kwargs: Any) -> None:
                      "and dtype, on the mesh's process group, with buffers from the caching allocator")
 
 
-for _name in ("set_reduce_scatter_max_input_buffers", "set_separate_reduce_scatter_group",
-              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
+for _name in ("set_separate_reduce_scatter_group", "set_symm_mem_for_comm"):
     setattr(FSDPModule, _name, functools.partialmethod(_unbuilt_method, _name=_name))
 
 def _no_deepcopy(*args: Any, **kwargs: Any):

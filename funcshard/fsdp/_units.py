@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from funcshard._comm import storage_ptr
-from funcshard._compat import param_slots
+from funcshard._compat import is_symm_mem_reduce_scatter, param_slots
 from funcshard._offload import to_host
 from funcshard._plan import ROOT, Group, Plan
 from funcshard._plan import plan as make_plan
@@ -53,6 +53,7 @@ class _Unit:
         self.timeout, self.check = None, False  # set_timeout / set_check_mode: the plan's (the shortest, any check)
         self.offload_to_cpu = self.pin_memory = False  # CPUOffloadPolicy: the Group's fields (_offload)
         self.comm = None  # set_custom_all_gather / _reduce_scatter: the Group's ``comm`` (funcshard._comm)
+        self.reduce_scatter_buffers = 1  # set_reduce_scatter_max_input_buffers: the plan's is the most of any unit's
         self.tied: list[tuple[_Param, _Unit]] = []  # parameters another call shards too: refused at lazy init
 
     def name(self) -> str:
@@ -149,9 +150,11 @@ class _Context:
         if self._plan is None:
             groups = tuple(self._edited(g) for g in self.base.groups)
             given = [u.timeout for u in self.units if u.timeout is not None]
+            # (the reduce-scatter queue spans the model: the most any unit asked for, as FSDP2 resolves it)
             self._plan = self.base.replace(groups=groups, forward_prefetch_lists=self._lists("forward"),
                                            backward_prefetch_lists=self._lists("backward"),
-                                           timeout=min(given, default=None), check=any(u.check for u in self.units))
+                                           timeout=min(given, default=None), check=any(u.check for u in self.units),
+                                           reduce_scatter_buffers=max(u.reduce_scatter_buffers for u in self.units))
             self._ordered = {}
         if not self.order:
             return self._plan
@@ -198,6 +201,7 @@ class _Context:
         if not self.materialized:  # (FSDP2's check when training starts; a state dict of a meta model is fine)
             _check_materialized(self.units, self.top.modules[0])
             self.materialized = True
+        _check_reduce_scatter_buffers(self)
         old = self.step
         if old is not None and old is self.fresh:
             self.fresh = old if fresh else None
@@ -260,6 +264,18 @@ def _check_materialized(units: list[_Unit], root: nn.Module) -> None:
                                f"on each module to initialize values.")
 
 
+def _check_reduce_scatter_buffers(ctx: _Context) -> None:
+    """FSDP2's check at lazy initialization: a unit keeping more than one reduce-scatter input buffer does not
+    reduce-scatter through FSDP2's symmetric-memory comm (its pool reuses one buffer)."""
+    for u in ctx.units:
+        rs = None if u.comm is None else u.comm.reduce_scatter
+        if u.reduce_scatter_buffers > 1 and is_symm_mem_reduce_scatter(rs):
+            raise ValueError(f"set_reduce_scatter_max_input_buffers(>1) is not supported with the symmetric-memory "
+                             f"reduce-scatter comm, but got {u.reduce_scatter_buffers} for module "
+                             f"'{_module_path(ctx, u)}' using {type(rs).__name__}. Keep max_input_buffers=1 with "
+                             f"symmetric memory, or use the default reduce-scatter comm.")
+
+
 def _check_offloaded(units: list[_Unit], paths: dict[int, str]) -> None:
     """FSDP2's check at lazy initialization: an offloading unit's sharded parameters are on the host (not left on the
     meta device, nor moved to an accelerator by ``to_empty`` / ``to``)."""
@@ -282,11 +298,20 @@ class _FSDPParamView:
 
 
 class _FSDPParamGroupView:
-    """A unit's group as FSDP2's state shows it: the module path (``_module_fqn``) and the parameters."""
+    """A unit's group as FSDP2's state shows it: the module path (``_module_fqn``), the parameters, the unit's own
+    ``reduce_scatter_max_input_buffers``."""
 
-    def __init__(self, module_fqn: str, params: tuple[str, ...]):
+    def __init__(self, module_fqn: str, params: tuple[str, ...], reduce_scatter_max_input_buffers: int = 1):
         self._module_fqn = module_fqn
         self.fsdp_params = [_FSDPParamView(p) for p in params]
+        self.reduce_scatter_max_input_buffers = reduce_scatter_max_input_buffers
+
+
+class _CommContextView:
+    """FSDP2's shared comm context as its users read it: the model's reduce-scatter queue depth (the plan's)."""
+
+    def __init__(self, reduce_scatter_max_input_buffers: int):
+        self.reduce_scatter_max_input_buffers = reduce_scatter_max_input_buffers
 
 
 class _StateContext:
@@ -299,7 +324,8 @@ class FSDPState:
     call), with the facts FSDP2's state exposes to its users and tests: ``_is_root`` (None before the lazy
     initialization, which the root's first forward or ``_lazy_init()`` runs), ``_state_ctx.all_states`` (root first,
     then the nested units in module order), ``_fsdp_param_group`` (None for a unit without parameters: its module path
-    ``_module_fqn`` and parameters ``fsdp_params[i]._param_fqn``, paths from the root module). A read-only view of the
+    ``_module_fqn``, parameters ``fsdp_params[i]._param_fqn``, paths from the root module, and
+    ``reduce_scatter_max_input_buffers``), ``_comm_ctx.reduce_scatter_max_input_buffers`` (the model's). A read-only view of the
     unit: the runtime keeps its own data."""
 
     def __init__(self, unit: _Unit):
@@ -340,7 +366,11 @@ class FSDPState:
         ctx = ctx_of(unit)
         if unit.group is None:
             return None
-        return _FSDPParamGroupView(unit.group, ctx.base.group(unit.group).params)
+        return _FSDPParamGroupView(unit.group, ctx.base.group(unit.group).params, unit.reduce_scatter_buffers)
+
+    @property
+    def _comm_ctx(self) -> _CommContextView:
+        return _CommContextView(ctx_of(self._unit).plan().reduce_scatter_buffers)
 
     @property
     def _fsdp_param_groups(self) -> list[_FSDPParamGroupView]:
