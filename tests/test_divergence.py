@@ -242,8 +242,8 @@ def test_microbatches_apply_the_waiting_rank_times_out():
 
 @pytest.mark.parametrize("check, kind, message", [
     (False, "CollectiveTimeout", r"funcshard: the (all-gather of group 'blocks.1' \(backward\)|reduce-scatter of group "
-                                 r"'blocks.3' \(backward\)|all-gather of group 'blocks.0' \(forward\)) did not "
-                                 r"complete within 5 s"),
+                                 r"'blocks.3' \(backward\)|all-gather of group ('blocks.0'|'' \(the root group\)) "
+                                 r"\(forward\)) did not complete within 5 s"),
     (True, "DivergenceError", r"funcshard check mode: the ranks diverged at collective #\d+ of process group .*: "
                               r"ranks \[0\]: all-gather of group 'blocks.1' \(backward\); ranks \[1\]: reduce-scatter "
                               r"of group 'blocks.3' \(backward\)\. Every rank must run the same groups"),
@@ -252,8 +252,8 @@ def test_microbatches_fully_shard(check, kind, message):
     """fully_shard's microbatches (set_requires_gradient_sync on the last one): the rank that syncs early
     reduce-scatters while the other gathers for its next microbatch. Both ranks raise: a timeout naming each one's
     collective (which one depends on how far gloo pairs the mismatched ones: seen on torch 2.11 under load, a rank
-    got through its backward to the next forward's first all-gather), or in check mode the first differing
-    collective."""
+    got through its backward to the next forward's first all-gather: blocks.0's, or the root's, seen
+    under load 15 on torch 2.13), or in check mode the first differing collective."""
     for k, m, intact in run_ranks(2, _scenario, "fully_shard", "microbatches", check, timeout=JOB_S):
         assert k == kind and re.search(message, m, re.S) and intact, m
 
