@@ -557,3 +557,125 @@ def test_flat_layout_and_bf16_policy():
         assert "layout='per_param'" in out["flat_nested"] and "grad inside grad" in out["flat_nested"], out
         assert out["bf16_grad"] is True, out
         assert out["bf16_vmap_grad"] < 3e-2, out  # (batched bf16 matmuls round differently: measured 1.5e-2, 2 ulps)
+
+
+# ---- DP-SGD: per-example gradients, per-example clipping, an optimizer step ------------------------------------
+
+def _dp_sgd(plans=("root",), steps=2, B=6):
+    """Two DP-SGD steps (noise off) per path: per-example gradients (vmap(grad) or vmap(funcshard.value_and_grad),
+    every rank the same examples), optim.per_example_global_norm_clip, the clipped sum over B, optim.adamw through
+    optim.step; against the unsharded module: torch.func per-example gradients through functional_call, Opacus's
+    clip factor on the full gradients, torch.optim.AdamW. Returns {path/plan: max abs difference of the parameters
+    (shards), of the per-example losses, and (clipped, reference's) counts}."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.func import functional_call, grad, vmap
+
+    import funcshard
+    from funcshard import optim
+
+    W = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (W,))
+    m = _model()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(B, 4, generator=g), torch.randn(B, 3, generator=g)) for _ in range(steps)]
+    mse = lambda o, y: (o - y[None]).pow(2).sum()  # noqa: E731  (one example's loss)
+    ref_one = lambda p, x, y: mse(functional_call(m, p, (x[None],)), y)  # noqa: E731
+    out = {}
+    for pname, kw in _plans(m, mesh).items():
+        if pname not in plans:
+            continue
+        plan = funcshard.plan(m, mesh, **kw)
+        fwd = {"apply": lambda s, x: funcshard.apply(plan, s, x), "traced": lambda s, x: funcshard.traced_apply(plan, s, x),
+               "gather": lambda s, x: functional_call(m, funcshard.gather(plan, s), (x,))}
+        for path, how in (("apply", "grad"), ("apply", "value_and_grad"), ("traced", "value_and_grad"),
+                          ("gather", "grad")):
+            # (gather's gradient sums the W ranks' identical ones: each rank's loss divided by W)
+            scale = W if path == "gather" else 1
+            one = lambda s, x, y, f=fwd[path]: mse(f(s, x[None]), y) / scale  # noqa: E731
+            full = {k: v.detach().clone() for k, v in m.named_parameters()}
+            ref_opt = torch.optim.AdamW(list(full.values()), lr=0.05, weight_decay=0.1)
+            tx = optim.adamw(lr=0.05, weight_decay=0.1)
+            state = funcshard.shard(plan, full)
+            opt_state = tx.init(state)
+            dloss, counts = 0.0, []
+            for x, y in data:
+                ref_losses, ref_g = vmap(torch.func.grad_and_value(ref_one), in_dims=(None, 0, 0))(full, x, y)[::-1]
+                norms = sum(t.reshape(B, -1).pow(2).sum(1) for t in ref_g.values()).sqrt()
+                C = float(norms.sort().values[B // 2 - 1 : B // 2 + 1].mean())  # (half the examples clipped)
+                factor = (C / (norms + 1e-6)).clamp(max=1.0)
+                with torch.no_grad():
+                    for k, p in full.items():
+                        p.grad = torch.einsum("i,i...->...", factor, ref_g[k]) / B
+                ref_opt.step()
+                if how == "grad":
+                    per_ex = vmap(grad(one), in_dims=(None, 0, 0))(state, x, y)
+                else:
+                    losses, per_ex = vmap(funcshard.value_and_grad(one), in_dims=(None, 0, 0))(state, x, y)
+                    dloss = max(dloss, float((losses * scale - ref_losses).abs().max()))
+                clipped, n = optim.per_example_global_norm_clip(per_ex, C, mesh=plan.mesh)
+                counts.append((int(n), int((norms > C).sum())))
+                state, opt_state = optim.step(tx, {k: v / B for k, v in clipped.items()}, opt_state, state)
+            want = funcshard.shard(plan, {k: v.detach() for k, v in full.items()})
+            out[f"{path}:{how}/{pname}"] = (max(float((state[k] - want[k]).abs().max()) for k in want), dloss, counts)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dp_sgd(world):
+    """The DP-SGD loop over sharded state (issue 32): vmap(grad) / vmap(value_and_grad) per-example gradients on
+    apply, traced_apply and gather, optim.per_example_global_norm_clip (one all-reduce of the per-example squared
+    norms), then optim.adamw; two steps equal the unsharded reference (torch.func + Opacus's clip factor +
+    torch.optim.AdamW) within 1e-6 fp32, half the examples clipped."""
+    plans = ("root",) if world == 1 else ("root", "per_block")
+    for res in run_ranks(world, _dp_sgd, plans):
+        assert len(res) == 4 * len(plans), res
+        for key, (dparam, dloss, counts) in res.items():
+            assert dparam < 1e-6 and dloss < 1e-6, (key, res[key])
+            assert all(n == want == 3 for n, want in counts), (key, counts)
+
+
+def test_optim_and_value_and_grad_under_transforms_refuse():
+    """What cannot be right under a transform raises naming it: an optimizer step inside torch.func.grad (MAML
+    through optim: its no_grad step would be a constant, measured 0 where the reference is not) or vmap (ensembles:
+    no batching rules), per-example clipping inside vmap, a non-tensor aux of value_and_grad under vmap; and
+    value_and_grad under vmap keeps its own leaf checks (funcshard's pytrees)."""
+    import funcshard
+    from funcshard import optim
+    from torch.func import grad, vmap
+
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
+    p = {"a": torch.randn(3, 2)}
+    st = tx.init(p)
+    loss = lambda q: q["a"].pow(2).sum()  # noqa: E731
+    inner = lambda q: loss(optim.apply_updates(q, tx.update(grad(loss)(q), st, q)[0]))  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"optim\.chain got \['a'\], a tensor of the torch\.func transform "
+                                                  r"grad\(\.\.\.\).*write it with torch ops"):
+        grad(inner)(p)
+    with pytest.raises(NotImplementedError, match=r"optim\.apply_updates .*grad\(\.\.\.\)"):
+        grad(lambda q: loss(optim.apply_updates(q, {"a": -0.1 * q["a"]})))(p)
+    stacked = {"a": torch.randn(4, 3, 2)}
+    with pytest.raises(NotImplementedError, match=r"vmap\(\.\.\.\).*call tx\.update on the stacked trees"):
+        vmap(lambda g: tx.update(g, st, p)[0])(stacked)
+    with pytest.raises(NotImplementedError, match=r"per_example_global_norm_clip .*vmap\(\.\.\.\)"):
+        vmap(lambda g: optim.per_example_global_norm_clip(g, 1.0)[0])({"a": torch.randn(2, 4, 3)})
+    with pytest.raises(ValueError, match=r"same leading example dim .*\['a'\]: \(3, 2\), \['b'\]: \(4,\)"):
+        optim.per_example_global_norm_clip({"a": torch.randn(3, 2), "b": torch.randn(4)}, 1.0)
+    xs = torch.randn(5, 2)
+    f = lambda q, x: (q["a"] * x).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"value_and_grad\(has_aux=True\) under vmap\(grad\(\.\.\.\)\): "
+                                                  r".*aux at n is of type 'int'.*return it as a tensor"):
+        vmap(funcshard.value_and_grad(lambda q, x: (f(q, x), {"n": 3}), has_aux=True), in_dims=(None, 0))(p, xs)
+    with pytest.raises(TypeError, match=r"argument 0 at i is a torch\.int64 tensor"):
+        vmap(funcshard.value_and_grad(f), in_dims=(None, 0))({**p, "i": torch.ones(2, dtype=torch.long)}, xs)
+    with pytest.raises(ValueError, match=r"must return a scalar tensor \(shape \(\)\), got \(3, 2\)"):
+        vmap(funcshard.value_and_grad(lambda q, x: q["a"] * x.sum()), in_dims=(None, 0))(p, xs)
+
+    auxes = []
+
+    def outer(q):  # under torch.func.grad alone a non-tensor aux is kept (as eagerly), and the gradient composes
+        (_, aux), g = funcshard.value_and_grad(lambda r: (loss(r), 3), has_aux=True)(q)
+        auxes.append(aux)
+        return g["a"].sum()
+
+    assert torch.equal(grad(outer)(p)["a"], torch.full((3, 2), 2.0)) and auxes == [3]
