@@ -7,6 +7,8 @@ the derivative of its own function along every rank's tangent together.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -165,20 +167,56 @@ def _model():
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
+class Kind(NamedTuple):
+    """A plan of the table: its module, ``funcshard.plan``'s keywords, the parameters left frozen (not
+    differentiated: passed as constants, ``requires_grad=False``) and the compute dtype of a mixed-precision policy."""
+
+    module: torch.nn.Module
+    kw: dict
+    frozen: tuple[str, ...] = ()
+    compute: torch.dtype | None = None
+
+
+PLANS = ("root", "per_block", "nested", "tied", "frozen", "bf16")
+
+
 def _plans(m, mesh):
-    return {"root": {}, "per_block": {"groups": (torch.nn.Linear,)}}
+    """name -> Kind: ``m`` with one root group and a group per block (Linear); a nested model with groups nested
+    as FSDP2's ("2" takes what "2.0" leaves); a weight tied across two blocks (the root group takes it); two frozen
+    parameters; a bf16 param_dtype with an fp32 reduce_dtype on every group."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    nn = torch.nn
+    torch.manual_seed(1)
+    nested = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    tied = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(),
+                         nn.Linear(6, 3))
+    tied[4].weight = tied[2].weight
+    frozen = _model()
+    frozen[0].weight.requires_grad_(False)
+    frozen[2].bias.requires_grad_(False)
+    blocks = {"groups": (nn.Linear,)}
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {"root": Kind(m, {}), "per_block": Kind(m, blocks), "nested": Kind(nested, {"groups": ["2", "2.0"]}),
+            "tied": Kind(tied, blocks), "frozen": Kind(frozen, blocks, ("0.weight", "2.bias")),
+            "bf16": Kind(m, {**blocks, "mp_policy": bf16}, compute=torch.bfloat16)}
 
 
-def _paths(m, mesh, kw):
+def _paths(m, mesh, kw, compute=None):
     """path -> (plan, the module's output from sharded state, the factor c on every backward: the gather's
-    reduce-scatter sums the W identical ranks' gradients, traced_apply's divides the sum by the plan's factor)."""
+    reduce-scatter sums the W identical ranks' gradients, traced_apply's divides the sum by the plan's factor).
+    ``compute``: gather's inputs cast to it (apply and traced_apply cast them as the root group's policy does)."""
     import torch.distributed as dist
 
     import funcshard
 
     W = float(dist.get_world_size())
     plan, summed = funcshard.plan(m, mesh, **kw), funcshard.plan(m, mesh, grad_divide_factor=1.0, **kw)
-    gathered = lambda s, x: torch.func.functional_call(plan.module, funcshard.gather(plan, s), (x,))  # noqa: E731
+    cast = (lambda t: t) if compute is None else (lambda t: t.to(compute))  # noqa: E731
+
+    def gathered(s, x):  # (gather returns the shards' dtype: the policy's casts are the caller's)
+        return torch.func.functional_call(plan.module, {k: cast(t) for k, t in funcshard.gather(plan, s).items()},
+                                          (cast(x),))
     return {
         "gather": (plan, gathered, float(plan.world)),  # (over the shard axis only: HSDP's replicas are not summed)
         "traced": (plan, lambda s, x: funcshard.traced_apply(plan, s, x), 1.0),
@@ -210,29 +248,42 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     return None
 
 
-def _table_rows(plan, out, c):
+def _table_rows(plan, out, c, frozen=(), compute=None):
     """The issue's rows: name -> (sharded result, unsharded reference) thunks. ``out(s, x)`` runs the module on the
-    shards ``s``; every rank has the same inputs, so a rank's shard gradient is ``c`` times the reference's rows."""
+    shards ``s``; every rank has the same inputs, so a rank's shard gradient is ``c`` times the reference's rows.
+    ``frozen``: parameters passed as constants (not differentiated); ``compute``: the reference casts the
+    parameters and inputs to it (a mixed-precision policy's casts), the losses are fp32."""
     import funcshard
     from torch.func import functional_call, grad, jacrev, jvp, vmap
 
     m = plan.module
-    full = {k: v.detach().clone() for k, v in m.named_parameters()}
-    state = funcshard.shard(plan, full)
+    every = {k: v.detach().clone() for k, v in m.named_parameters()}
+    full = {k: v for k, v in every.items() if k not in frozen}
+    consts = {k: v for k, v in funcshard.shard(plan, every).items() if k in frozen}
+    state = {k: v for k, v in funcshard.shard(plan, every).items() if k not in frozen}
     g = torch.Generator().manual_seed(1)
     x, vx, xs = (torch.randn(*s, generator=g) for s in ((5, 4), (5, 4), (6, 4)))
     V = {k: torch.randn(t.shape, generator=g) for k, t in full.items()}
-    Vs = funcshard.shard(plan, V)
     members = [{k: t * (1 + 0.5 * i) for k, t in full.items()} for i in range(3)]
-    stacked = {k: torch.stack([funcshard.shard(plan, p)[k] for p in members]) for k in state}
+    def sharded(s, xx):  # (the frozen shards as constants)
+        return out({**s, **consts}, xx).float()
 
-    f = lambda s, xx=x: out(s, xx).pow(2).mean()  # noqa: E731
-    ref = lambda p, xx=x: functional_call(m, p, (xx,)).pow(2).mean()  # noqa: E731
-    one = lambda s, xi: out(s, xi[None]).pow(2).sum()  # noqa: E731  (one example)
-    ref_one = lambda p, xi: functional_call(m, p, (xi[None],)).pow(2).sum()  # noqa: E731
+    def call(p, xx):  # the reference: the unsharded module (with the policy's casts)
+        p = {**p, **{k: every[k] for k in frozen}}
+        if compute is not None:
+            p, xx = {k: t.to(compute) for k, t in p.items()}, xx.to(compute)
+        return functional_call(m, p, (xx,)).float()
 
-    def sh(grads):  # full gradients -> this rank's shards
-        return funcshard.shard(plan, grads)
+    def sh(grads):  # full gradients (of the differentiated parameters) -> this rank's shards
+        return {k: t for k, t in funcshard.shard(plan, {**every, **grads}).items() if k in grads}
+
+    Vs = sh(V)
+    stacked = {k: torch.stack([sh(p)[k] for p in members]) for k in state}
+    full_members = {k: torch.stack([p[k] for p in members]) for k in full}
+    f = lambda s, xx=x: sharded(s, xx).pow(2).mean()  # noqa: E731
+    ref = lambda p, xx=x: call(p, xx).pow(2).mean()  # noqa: E731
+    one = lambda s, xi: sharded(s, xi[None]).pow(2).sum()  # noqa: E731  (one example)
+    ref_one = lambda p, xi: call(p, xi[None]).pow(2).sum()  # noqa: E731
 
     def sh_batched(grads, n):  # full gradients with a leading batch dim -> shards with it
         each = [sh({k: t[i] for k, t in grads.items()}) for i in range(n)]
@@ -264,8 +315,8 @@ def _table_rows(plan, out, c):
         return dict(zip(s, torch.autograd.grad(f({k: t - LR * gk for (k, t), gk in zip(s.items(), gs)}),
                                                list(s.values()))))
 
-    vec = lambda s: out(s, x).sum(0)  # noqa: E731
-    ref_vec = lambda p: functional_call(m, p, (x,)).sum(0)  # noqa: E731
+    vec = lambda s: sharded(s, x).sum(0)  # noqa: E731
+    ref_vec = lambda p: call(p, x).sum(0)  # noqa: E731
     return {
         "grad": (lambda: grad(f)(state), lambda: sh(scaled(grad(ref)(full)))),
         "jvp_state": (lambda: jvp(f, (state,), (Vs,)), lambda: jvp(ref, (full,), (V,))),
@@ -280,16 +331,15 @@ def _table_rows(plan, out, c):
         "autograd_maml": (autograd_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "hvp": (lambda: jvp(grad(f), (state,), (Vs,)),
                 lambda: tuple(sh(scaled(t)) for t in jvp(grad(ref), (full,), (V,)))),
-        "ensemble": (lambda: vmap(f)(stacked), lambda: torch.stack([ref(p) for p in members])),
+        "ensemble": (lambda: vmap(f)(stacked), lambda: vmap(ref)(full_members)),
         "ensemble_grad": (lambda: vmap(grad(f))(stacked),
-                          lambda: sh_batched(scaled({k: torch.stack([grad(ref)(p)[k] for p in members])
-                                                     for k in full}), len(members))),
+                          lambda: sh_batched(scaled(vmap(grad(ref))(full_members)), len(members))),
         "jacrev": (lambda: jacrev(vec)(state),
                    lambda: sh_batched(scaled(jacrev(ref_vec)(full)), 3)),
     }
 
 
-def _table(plans=("root", "per_block"), names=None, hsdp=False):
+def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -297,12 +347,13 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False):
     mesh = (init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard")) if hsdp
             else init_device_mesh("cpu", (W,)))
     res = {}
-    m = _model()
-    for pname, kw in _plans(m, mesh).items():
+    for pname, kind in _plans(_model(), mesh).items():
         if pname not in plans:
             continue
-        for path, (plan, out, c) in _paths(m, mesh, kw).items():
-            for name, (got, want) in _table_rows(plan, out, c).items():
+        for path, (plan, out, c) in _paths(kind.module, mesh, kind.kw, kind.compute).items():
+            if paths is not None and path not in paths:
+                continue
+            for name, (got, want) in _table_rows(plan, out, c, kind.frozen, kind.compute).items():
                 if (name not in names) if names else (path.startswith("apply") and name in APPLY_CREATE_GRAPH):
                     continue
                 key = f"{path}/{pname}/{name}"
@@ -349,6 +400,27 @@ def test_table(world):
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
         for res in run_ranks(world, _table, ("root",), None, True):
             _check_table(res, world, hsdp=True)
+
+
+OTHER_PLANS = ("nested", "tied", "frozen", "bf16")
+QUICK_ROWS = ("grad", "vmap_grad", "maml", "hvp", "ensemble_grad")  # (the default suite's rows and paths)
+QUICK_PATHS = ("gather", "traced_sum", "apply")
+
+
+@pytest.mark.parametrize("world,quick", [pytest.param(1, False, marks=pytest.mark.slow), (2, True),
+                                         pytest.param(2, False, marks=pytest.mark.slow),
+                                         pytest.param(4, False, marks=pytest.mark.slow)])
+def test_table_over_plans(world, quick):
+    """The table on the other plans: nested groups, a weight tied across blocks, frozen parameters (constants, not
+    differentiated), a bf16 param_dtype with an fp32 reduce_dtype (against the reference's own casts: parameters and
+    inputs cast to bf16; the same 1e-6: the same bf16 arithmetic). Default suite: W=2, per-sample gradients, MAML,
+    HVP and ensemble gradients on gather, traced_apply (factor 1) and apply; every row and path at W=1, 2, 4 under
+    ``-m slow``."""
+    names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
+    for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 12 - 2 * len(APPLY_CREATE_GRAPH)
+        assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
+        _check_table(res, world)
 
 
 def _apply_create_graph():
@@ -582,10 +654,10 @@ def _dp_sgd(plans=("root",), steps=2, B=6):
     mse = lambda o, y: (o - y[None]).pow(2).sum()  # noqa: E731  (one example's loss)
     ref_one = lambda p, x, y: mse(functional_call(m, p, (x[None],)), y)  # noqa: E731
     out = {}
-    for pname, kw in _plans(m, mesh).items():
+    for pname, kind in _plans(m, mesh).items():
         if pname not in plans:
             continue
-        plan = funcshard.plan(m, mesh, **kw)
+        plan = funcshard.plan(m, mesh, **kind.kw)
         fwd = {"apply": lambda s, x: funcshard.apply(plan, s, x), "traced": lambda s, x: funcshard.traced_apply(plan, s, x),
                "gather": lambda s, x: functional_call(m, funcshard.gather(plan, s), (x,))}
         for path, how in (("apply", "grad"), ("apply", "value_and_grad"), ("traced", "value_and_grad"),
