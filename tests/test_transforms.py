@@ -488,18 +488,71 @@ def _counts():
         out[path, "grad"] = _counted(lambda: torch.func.grad(f)(state))
         leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
         out[path, "autograd"] = _counted(lambda: f(leaves).backward())
+    out["plans"] = _plan_counts(plan.mesh, ("apply",), ())
+    return out
+
+
+def _plan_counts(mesh, paths=("gather", "apply"), members=(2, 4)):
+    """On every plan of the table, per path: the collectives of vmap(grad) per-sample gradients over 2 and 5
+    examples and of vmap(grad) over stacked states of ``members`` members (the frozen parameters as constants), and
+    the number of buckets (one all-gather and one reduce-scatter each). ``mesh`` None: a 1-D mesh of every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from funcshard._traced import layout
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mesh is None else mesh
+
+    out = {}
+    for pname, kind in _plans(_model(), mesh).items():
+        plan = funcshard.plan(kind.module, mesh, **kind.kw)
+        every = funcshard.shard(plan)
+        consts = {k: v for k, v in every.items() if k in kind.frozen}
+        state = {k: v for k, v in every.items() if k not in kind.frozen}
+        cast = (lambda t: t) if kind.compute is None else (lambda t: t.to(kind.compute))  # noqa: E731
+        fwds = {"gather": lambda s, x: torch.func.functional_call(
+                    plan.module, {k: cast(t) for k, t in funcshard.gather(plan, s).items()}, (cast(x),)),
+                "apply": lambda s, x: funcshard.apply(plan, s, x)}
+        for path, fwd in ((p, fwds[p]) for p in paths):
+            f = lambda s, x, fwd=fwd: fwd({**s, **consts}, x).float().pow(2).sum()  # noqa: E731
+            got = {}
+            for n in (2, 5):
+                xs = torch.randn(n, 1, 4)
+                got["per_sample", n] = _counted(lambda: torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(
+                    state, xs))
+            for n in members:
+                stacked = {k: torch.stack([v * (1 + i) for i in range(n)]) for k, v in state.items()}
+                got["ensemble", n] = _counted(lambda: torch.func.vmap(torch.func.grad(f), in_dims=(0, None))(
+                    stacked, torch.randn(3, 4)))
+            out[pname, path] = got, len(layout(plan).buckets)
     return out
 
 
 def test_collective_counts():
     """vmap over stacked states: one all-gather per group (3) in forward and one reduce-scatter per group in
     backward, whatever the number of members; a single torch.func.grad issues what plain autograd does (gather).
+    On every plan of the table, apply (its traced path): per-sample gradients over 2 or 5 examples issue one
+    all-gather and one reduce-scatter per bucket (group and compute dtype); gather, and ensembles, under slow.
     (traced_apply's plain-autograd path issues c10d functional collectives, which these counters do not see.)"""
     out = run_ranks(2, _counts)[0]
     per_group = ["ag"] * 3 + ["rs"] * 3
     for path in ("gather", "traced"):
         assert out[path, "ensemble", 2] == out[path, "ensemble", 4] == out[path, "grad"] == per_group, out
     assert out["gather", "autograd"] == per_group, out
+    _check_plan_counts(out["plans"], 1, 2)
+
+
+def _check_plan_counts(out, paths, runs):
+    assert len(out) == paths * len(PLANS), out
+    for key, (got, buckets) in out.items():  # (every plan: independent of the batch and ensemble size)
+        assert len(got) == runs and all(c == ["ag"] * buckets + ["rs"] * buckets for c in got.values()), (key, got)
+
+
+@pytest.mark.slow
+def test_collective_counts_over_plans():
+    """test_collective_counts' plans on gather and apply, per-sample gradients and ensembles of 2 and 4 members."""
+    _check_plan_counts(run_ranks(2, _plan_counts, None)[0], 2, 4)
 
 
 # ---- transform stacks up to depth 3 over the collectives ---------------------------------------------------------
