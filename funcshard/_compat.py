@@ -48,6 +48,8 @@ is_batchedtensor = require("torch._C._functorch.is_batchedtensor")  # a vmap-bat
 unwrap_if_dead = require("torch._C._functorch.unwrap_if_dead")  # unwrap a tensor left by an exited transform
 get_interpreter_stack = require("torch._C._functorch.get_interpreter_stack")  # the active transforms (or None)
 maybe_current_level = require("torch._C._functorch.maybe_current_level")  # the innermost level, or None
+get_dynamic_layer_stack_depth = require("torch._C._functorch.get_dynamic_layer_stack_depth")  # the active transforms
+# (how many: dynamo reads it while tracing, a constant with a guard)
 TransformType = require("torch._C._functorch.TransformType")  # Grad, Jvp, Vmap, ... (an interpreter's key())
 DisableFuncTorch = require("torch._C._DisableFuncTorch")  # context manager: functorch off inside
 DisableTorchFunctionSubclass = require("torch._C.DisableTorchFunctionSubclass")  # context manager
@@ -216,7 +218,7 @@ __all__ = [
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
-    "maybe_current_level", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",
+    "maybe_current_level", "get_dynamic_layer_stack_depth", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",
     "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",

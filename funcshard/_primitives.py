@@ -11,7 +11,9 @@ of the tangent) and vmap (the batch dim moved off dim 0) rules. Their waits are 
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from typing import NamedTuple
 
 import torch
@@ -188,6 +190,33 @@ def _raw_grads(what: str, g: torch.Tensor) -> None:
     check_batched_grads(what, (g,), vmapped=False)
 
 
+_UNTRACED = ("funcshard's differentiable collectives (funcshard.all_gather / reduce_scatter / all_reduce, and "
+             "traced_apply's or apply's gather under a torch.func transform) run eagerly: raw c10d calls on plain "
+             "tensors. Under torch.compile, a torch.func transform through them runs eagerly (this graph break inside "
+             "it), and torch.compile(..., fullgraph=True) refuses it. For one graph, compile the first-order step "
+             "(funcshard.value_and_grad(torch.compile(loss_fn, fullgraph=True)) with loss_fn calling "
+             "funcshard.traced_apply), or call the torch.func transform outside torch.compile")
+
+
+def untraced(fn):
+    """``fn`` with dynamo off while it runs (``torch.compiler.disable(recursive=True)``, made at the first call once
+    torch._dynamo is loaded: ``import funcshard`` loads no dynamo). Dynamo compiles every Python frame a compiled
+    function runs, the frames of an eager torch.func transform it falls back to included (a collective's backward,
+    jvp and vmap rules): each would trace as far as the raw c10d work, warn and fall back."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn, recursive=True, reason=_UNTRACED)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 # name -> (the raw collective on plain tensors, its transpose's name, whether vmap moves the batch dim off dim 0)
 _COLLECTIVES = {
     "all_gather": (_ag, "reduce_scatter", True),
@@ -202,6 +231,7 @@ class _Collective(torch.autograd.Function):
     collective of the tangent; vmap, one collective for the whole batch."""
 
     @staticmethod
+    @untraced
     def forward(x, op, group):
         with no_functorch():
             return _COLLECTIVES[op][0](x, group)
@@ -211,15 +241,18 @@ class _Collective(torch.autograd.Function):
         ctx.op, ctx.group = inputs[1], inputs[2]
 
     @staticmethod
+    @untraced
     def backward(ctx, g):
         _raw_grads(f"funcshard.{ctx.op}", g)
         return _Collective.apply(g, _COLLECTIVES[ctx.op][1], ctx.group), None, None
 
     @staticmethod
+    @untraced
     def jvp(ctx, t, _op, _group):
         return _Collective.apply(t, ctx.op, ctx.group)
 
     @staticmethod
+    @untraced
     def vmap(info, in_dims, x, op, group):
         if not _COLLECTIVES[op][2]:
             return _Collective.apply(x, op, group), in_dims[0]
@@ -241,6 +274,7 @@ class _CotangentMap(torch.autograd.Function):
         ctx.fn = inputs[1]
 
     @staticmethod
+    @untraced
     def backward(ctx, g):
         return ctx.fn(g), None
 
