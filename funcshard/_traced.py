@@ -309,8 +309,9 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
     MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
     (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
-    exact: gradients are sums over ranks). Not refused but first order: a compiled step (``torch.compile`` of a
-    function that nests transforms is not checked). Memory, not compiled: every group's unsharded parameters live
+    exact: gradients are sums over ranks). Under ``torch.compile`` a transform of the state through it runs eagerly
+    (the composable gather is a graph break inside it, so dynamo runs the transform eagerly: right, not compiled), and
+    ``fullgraph=True`` refuses it naming the way out. Memory, not compiled: every group's unsharded parameters live
     from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
     transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
     is the compiled path's only.
