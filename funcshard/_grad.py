@@ -78,8 +78,8 @@ def _compose(fn: Callable, nums: tuple[int, ...], argnums: int | Sequence[int], 
             path, x = others[0]
             raise NotImplementedError(
                 f"value_and_grad(has_aux=True) under {transform_stack()}: {fn.__name__}'s aux at "
-                f"{'.'.join(map(str, path)) or '<root>'} is of type {type(x).__name__!r}, and vmap returns tensors only; "
-                f"return it as a tensor, or compute it outside vmap")
+                f"{'.'.join(map(str, path)) or '<root>'} is of type {type(x).__name__!r}, and vmap returns tensors "
+                f"only; return it as a tensor, or compute it outside vmap")
         kept["aux"] = aux_leaves
         return value, [x for x in aux_leaves if isinstance(x, torch.Tensor)]
 

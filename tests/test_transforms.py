@@ -714,7 +714,8 @@ def _dp_sgd(plans=("root",), steps=2, B=6):
         if pname not in plans:
             continue
         plan = funcshard.plan(m, mesh, **kind.kw)
-        fwd = {"apply": lambda s, x: funcshard.apply(plan, s, x), "traced": lambda s, x: funcshard.traced_apply(plan, s, x),
+        fwd = {"apply": lambda s, x: funcshard.apply(plan, s, x),
+               "traced": lambda s, x: funcshard.traced_apply(plan, s, x),
                "gather": lambda s, x: functional_call(m, funcshard.gather(plan, s), (x,))}
         for path, how in (("apply", "grad"), ("apply", "value_and_grad"), ("traced", "value_and_grad"),
                           ("gather", "grad")):
@@ -924,8 +925,8 @@ def test_drawn_stacks(cases):
     """Hypothesis draws transform stacks of grad / jvp / vmap of depth 1 to 3 over sharded state, a path (gather,
     traced_apply and apply, with the plan's factor and with 1) and a plan (root, per block, nested, tied, frozen), at
     W=2: each equals the same stack of the unsharded module (float64, 1e-9) or raises the named refusal (two reverse
-    levels through a divided gather). Three draws here; more, and W=1 and 4, under slow; measured beforehand: all 39 stacks on
-    every path (root and per-block plans) and on gather and apply_sum (nested, tied, frozen) at W=2."""
+    levels through a divided gather). Three draws here; more, and W=1 and 4, under slow; measured beforehand: all 39
+    stacks on every path (root and per-block plans) and on gather and apply_sum (nested, tied, frozen) at W=2."""
     _drawn_stacks(2, cases)
 
 
@@ -939,9 +940,9 @@ def test_drawn_stacks_more(world, examples):
 # ---- torch.compile over nested transforms -------------------------------------------------------------------------
 
 def _compiled_nested():
-    """torch.compile (aot_eager) of vmap(grad), grad(grad), jvp(grad) and grad over traced_apply (a factor-1 plan):
-    the compiled function's results against eager's (which the table checks against the reference), and
-    fullgraph=True's error."""
+    """torch.compile (aot_eager) of vmap(grad), grad(grad), jvp(grad) and grad over traced_apply (a factor-1 plan)
+    and of vmap(grad) over gather and apply: the compiled function's results against eager's (which the table checks
+    against the reference), and fullgraph=True's error."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.func import grad, jvp, vmap
@@ -962,6 +963,8 @@ def _compiled_nested():
         "grad": lambda s: grad(f)(s),
         "gather_vmap_grad": lambda s: vmap(grad(lambda q, xi: torch.func.functional_call(
             m, funcshard.gather(plan, q), (xi[None],)).pow(2).sum()), in_dims=(None, 0))(s, x),
+        "apply_vmap_grad": lambda s: vmap(grad(lambda q, xi: funcshard.apply(plan, q, xi[None]).pow(2).sum()),
+                                          in_dims=(None, 0))(s, x),
     }
     out = {}
     for name, fn in cases.items():
@@ -985,7 +988,8 @@ def test_compiled_nested_transforms():
     (dynamo runs the transform eagerly at the composable gather's graph break: the same values as eagerly, bit for
     bit; before, a torch error on dynamo's GradTrackingTensors), and fullgraph=True refuses naming the way out."""
     for out in run_ranks(2, _compiled_nested, timeout=600):
-        assert all(out[k] is True for k in ("vmap_grad", "grad_grad", "jvp_grad", "grad", "gather_vmap_grad")), out
+        assert all(out[k] is True for k in ("vmap_grad", "grad_grad", "jvp_grad", "grad", "gather_vmap_grad",
+                                            "apply_vmap_grad")), out
         assert out["fullgraph"].startswith("Unsupported: ") and re.search(
             r"run eagerly.*fullgraph=True\) refuses it\. For one graph, compile the first-order step", out["fullgraph"],
             re.S), out["fullgraph"]
