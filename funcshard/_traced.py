@@ -162,6 +162,16 @@ class _Gather(torch.autograd.Function):
         ctx.bucket = inputs[0]
 
     @staticmethod
+    def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
+        """Under a vmap of the module's inputs alone (the state differentiated by plain autograd, or not at all):
+        unbatched shards, one unbatched gather. (Batched shards are functorch-wrapped: ``_composed`` gathers them.)"""
+        if any(d is not None for d in in_dims[1:]):
+            raise NotImplementedError(f"{_WHAT}: the c10d gather of group {b.group!r} got batched shards under vmap "
+                                      f"(an internal routing error: a transform of the state gathers through the "
+                                      f"composable collectives); gather with funcshard.gather meanwhile")
+        return _Gather.apply(b, *shards), None
+
+    @staticmethod
     def backward(ctx, grad):
         b: Bucket = ctx.bucket
         compiling = torch.compiler.is_compiling()  # (dynamo traces this backward: no functorch levels to read)

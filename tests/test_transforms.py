@@ -339,6 +339,9 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                           lambda: sh_batched(scaled(vmap(grad(ref))(full_members)), len(members))),
         "jacrev": (lambda: jacrev(vec)(state),
                    lambda: sh_batched(scaled(jacrev(ref_vec)(full)), 3)),
+        # (a vmap of the inputs alone, the state differentiated by plain autograd: value_and_grad's eager path)
+        "vmap_inputs": (lambda: funcshard.value_and_grad(lambda s: vmap(lambda xi: one(s, xi))(xs).sum())(state)[1],
+                        lambda: sh(scaled(grad(lambda p: vmap(lambda xi: ref_one(p, xi))(xs).sum())(full)))),
     }
 
 
@@ -394,11 +397,12 @@ def test_table(world):
     grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only; W=2: also HSDP): jvp w.r.t. the
     state and the inputs, vmap(grad) per-sample gradients (shards with a leading batch dim), grad of a gradient norm
     (torch.func and autograd create_graph), MAML (both), jvp(grad) HVP, vmap over stacked states (values and
-    gradients), jacrev; fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two
-    reverse levels through a divided gather (W > 1) or over HSDP, jacrev of apply."""
+    gradients), jacrev, a vmap of the inputs alone under plain autograd (before: a torch error, "vmap over _Gather");
+    fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels
+    through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
     for res in run_ranks(world, _table, plans):
-        assert len(res) == len(plans) * (5 * 12 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+        assert len(res) == len(plans) * (5 * 13 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
         for res in run_ranks(world, _table, ("root",), None, True):
@@ -421,7 +425,7 @@ def test_table_over_plans(world, quick):
     ``-m slow``."""
     names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
     for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
-        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 12 - 2 * len(APPLY_CREATE_GRAPH)
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 13 - 2 * len(APPLY_CREATE_GRAPH)
         assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
         _check_table(res, world)
 
