@@ -482,6 +482,7 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
+        _untransformed("optim.scale", updates)
         return _scale_leaves(updates, step_size, extra.get("donate", False)), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -787,6 +787,11 @@ def test_optim_and_value_and_grad_under_transforms_refuse():
         grad(inner)(p)
     with pytest.raises(NotImplementedError, match=r"optim\.apply_updates .*grad\(\.\.\.\)"):
         grad(lambda q: loss(optim.apply_updates(q, {"a": -0.1 * q["a"]})))(p)
+    with pytest.raises(NotImplementedError, match=r"optim\.scale got \['a'\], a tensor of the torch\.func transform"):
+        grad(lambda q: loss(optim.scale(-0.1).update(q, optim.scale(-0.1).init(q))[0]))(p)
+    with pytest.raises(NotImplementedError, match=r"optim\.adamw got \['a'\].*jvp\(\.\.\.\)"):
+        tx2 = optim.adamw(0.1)
+        torch.func.jvp(lambda q: optim.step(tx2, q, tx2.init(p), p)[0], (p,), (p,))
     stacked = {"a": torch.randn(4, 3, 2)}
     with pytest.raises(NotImplementedError, match=r"vmap\(\.\.\.\).*call tx\.update on the stacked trees"):
         vmap(lambda g: tx.update(g, st, p)[0])(stacked)
