@@ -138,6 +138,14 @@ def mark_composable(module, api: str) -> None:
 
 
 # ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
+def never_inlined(fn, reason: str):
+    """Mark ``fn`` as ``torch.compiler.disable`` marks it, without importing torch._dynamo: dynamo, tracing a call
+    to it, breaks the graph there naming ``reason`` (the attributes torch 2.11 to 2.13 read) instead of inlining it."""
+    fn._torchdynamo_disable = True
+    fn._torchdynamo_disable_msg = reason
+    return fn
+
+
 def assume_constant_result(fn):
     """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo: the mark dynamo reads (torch
     2.11 to 2.13 set exactly this attribute; tests/test_compile.py's traced-mode tests would see a difference)."""
@@ -218,7 +226,7 @@ __all__ = [
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
-    "maybe_current_level", "get_dynamic_layer_stack_depth", "TransformType", "DisableFuncTorch",
+    "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "DisableFuncTorch",
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",

@@ -27,7 +27,8 @@ from funcshard._collectives import (
     reduce_scatter_into,
     wait_work,
 )
-from funcshard._compat import TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack
+from funcshard._compat import (TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack,
+                              never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._spec import ShardSpec, from_split, unpad
 
@@ -199,10 +200,11 @@ _UNTRACED = ("funcshard's differentiable collectives (funcshard.all_gather / red
 
 
 def untraced(fn):
-    """``fn`` with dynamo off while it runs (``torch.compiler.disable(recursive=True)``, made at the first call once
-    torch._dynamo is loaded: ``import funcshard`` loads no dynamo). Dynamo compiles every Python frame a compiled
-    function runs, the frames of an eager torch.func transform it falls back to included (a collective's backward,
-    jvp and vmap rules): each would trace as far as the raw c10d work, warn and fall back."""
+    """``fn``, never traced by dynamo: a call to it in traced code is a graph break naming ``_UNTRACED``
+    (``never_inlined``), and it runs with dynamo off (``torch.compiler.disable(recursive=True)``, made at its first
+    call once torch._dynamo is loaded: ``import funcshard`` loads no dynamo). Dynamo compiles every Python frame a
+    compiled function runs, the frames of an eager torch.func transform it falls back to included (a collective's
+    backward, jvp and vmap rules): each would trace as far as the raw c10d work, warn and fall back."""
     disabled = None
 
     @functools.wraps(fn)
@@ -214,7 +216,7 @@ def untraced(fn):
             disabled = torch.compiler.disable(fn, recursive=True, reason=_UNTRACED)
         return disabled(*args, **kwargs)
 
-    return call
+    return never_inlined(call, _UNTRACED)
 
 
 # name -> (the raw collective on plain tensors, its transpose's name, whether vmap moves the batch dim off dim 0)
