@@ -429,8 +429,8 @@ def _untransformed(where: str, *trees: PyTree) -> None:
                     f"differentiated (grad/jvp) nor batched (vmap). Take the step outside the transform "
                     f"(grads = torch.func.vmap(torch.func.grad(loss))(...), then tx.update); through an inner step "
                     f"(MAML) write it with torch ops ({{k: p - lr * g}}); for an ensemble call tx.update on the "
-                    f"stacked trees outside vmap (elementwise optimizers act per member) and clip per member with "
-                    f"optim.per_example_global_norm_clip")
+                    f"stacked trees outside vmap (elementwise optimizers act per member; clip_by_global_norm would "
+                    f"take one norm over all the members)")
 
 
 def _precheck(tx: Any, updates: PyTree, state: Any, params: PyTree) -> None:
