@@ -5,7 +5,7 @@ plan = funcshard.plan(model, mesh, groups=(Block,))      # specs, groups, schedu
 state = funcshard.shard(plan)                            # dict[str, Tensor] of this rank's shards
 loss = lambda s, x, y: F.cross_entropy(funcshard.apply(plan, s, x), y)
 loss_value, grads = funcshard.value_and_grad(loss)(state, x, y)   # sharded, averaged over ranks
-# (torch.func.grad(loss)(state, x, y) works too: one torch.func level; nested transforms are refused)
+# (torch.func transforms compose too, nested: vmap(grad(loss)), jvp(grad(loss)), ...: docs/transforms.md)
 ```
 """
 

@@ -26,8 +26,8 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     again before its backward, and its gradient reduce-scattered as soon as it is complete.
 
     Differentiable with respect to ``state`` under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``jvp`` and
-    plain autograd (``loss.backward()`` with ``requires_grad`` shards); one ``torch.func`` level at most (nested
-    transforms, ``vmap`` included, raise ``NotImplementedError``). Gradients have the keys and local
+    plain autograd (``loss.backward()`` with ``requires_grad`` shards), by the runtime; other and nested transforms
+    (``vmap`` included) run the traced body (below). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
     loss. ``state`` and the module's parameters are not modified.

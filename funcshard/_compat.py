@@ -48,6 +48,8 @@ is_batchedtensor = require("torch._C._functorch.is_batchedtensor")  # a vmap-bat
 unwrap_if_dead = require("torch._C._functorch.unwrap_if_dead")  # unwrap a tensor left by an exited transform
 get_interpreter_stack = require("torch._C._functorch.get_interpreter_stack")  # the active transforms (or None)
 maybe_current_level = require("torch._C._functorch.maybe_current_level")  # the innermost level, or None
+get_dynamic_layer_stack_depth = require("torch._C._functorch.get_dynamic_layer_stack_depth")  # the active transforms
+# (how many: dynamo reads it while tracing, a constant with a guard)
 TransformType = require("torch._C._functorch.TransformType")  # Grad, Jvp, Vmap, ... (an interpreter's key())
 DisableFuncTorch = require("torch._C._DisableFuncTorch")  # context manager: functorch off inside
 DisableTorchFunctionSubclass = require("torch._C.DisableTorchFunctionSubclass")  # context manager
@@ -146,6 +148,14 @@ def mark_composable(module, api: str) -> None:
 
 
 # ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
+def never_inlined(fn, reason: str):
+    """Mark ``fn`` as ``torch.compiler.disable`` marks it, without importing torch._dynamo: dynamo, tracing a call
+    to it, breaks the graph there naming ``reason`` (the attributes torch 2.11 to 2.13 read) instead of inlining it."""
+    fn._torchdynamo_disable = True
+    fn._torchdynamo_disable_msg = reason
+    return fn
+
+
 def assume_constant_result(fn):
     """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo: the mark dynamo reads (torch
     2.11 to 2.13 set exactly this attribute; tests/test_compile.py's traced-mode tests would see a difference)."""
@@ -278,7 +288,8 @@ __all__ = [
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
-    "maybe_current_level", "TransformType", "DisableFuncTorch", "DisableTorchFunctionSubclass", "dispatch_keys",
+    "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "DisableFuncTorch",
+    "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",
     "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",

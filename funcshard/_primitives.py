@@ -4,13 +4,16 @@ rules of which torch.func transforms the sharded gather supports.
 all_gather and reduce_scatter are each other's transpose: the backward of all_gather is a reduce-scatter
 with a *sum* (the mathematical transpose), and vice versa; all_reduce (sum) is its own transpose. None of
 them averages: data-parallel averaging is one explicit divide, applied by the runtime after the gradient
-reduce-scatter (``_pipeline.PendingReduce.finish``), never inside these functions. Each has its jvp (the collective
-of the tangent) and vmap (the batch dim moved off dim 0) rule beside it. Their waits are ``_collectives.wait_work``'s.
+reduce-scatter (``_pipeline.PendingReduce.finish``), never inside these functions. The three are one
+``autograd.Function`` (``_Collective``) parametrized by the collective and its transpose, with its jvp (the collective
+of the tangent) and vmap (the batch dim moved off dim 0) rules. Their waits are ``_collectives.wait_work``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from typing import NamedTuple
 
 import torch
@@ -24,7 +27,8 @@ from funcshard._collectives import (
     reduce_scatter_into,
     wait_work,
 )
-from funcshard._compat import TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack
+from funcshard._compat import (TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack,
+                              never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._spec import ShardSpec, from_split, unpad
 
@@ -187,76 +191,74 @@ def _raw_grads(what: str, g: torch.Tensor) -> None:
     check_batched_grads(what, (g,), vmapped=False)
 
 
-class _AllGather(torch.autograd.Function):
+_UNTRACED = ("funcshard's differentiable collectives (funcshard.all_gather / reduce_scatter / all_reduce, and "
+             "traced_apply's or apply's gather under a torch.func transform) run eagerly: raw c10d calls on plain "
+             "tensors. Under torch.compile, a torch.func transform through them runs eagerly (this graph break inside "
+             "it), and torch.compile(..., fullgraph=True) refuses it. For one graph, compile the first-order step "
+             "(funcshard.value_and_grad(torch.compile(loss_fn, fullgraph=True)) with loss_fn calling "
+             "funcshard.traced_apply), or call the torch.func transform outside torch.compile")
+
+
+def untraced(fn):
+    """``fn``, never traced by dynamo: a call to it in traced code is a graph break naming ``_UNTRACED``
+    (``never_inlined``), and it runs with dynamo off (``torch.compiler.disable(recursive=True)``, made at its first
+    call once torch._dynamo is loaded: ``import funcshard`` loads no dynamo). Dynamo compiles every Python frame a
+    compiled function runs, the frames of an eager torch.func transform it falls back to included (a collective's
+    backward, jvp and vmap rules): each would trace as far as the raw c10d work, warn and fall back."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn, recursive=True, reason=_UNTRACED)
+        return disabled(*args, **kwargs)
+
+    return never_inlined(call, _UNTRACED)
+
+
+# name -> (the raw collective on plain tensors, its transpose's name, whether vmap moves the batch dim off dim 0)
+_COLLECTIVES = {
+    "all_gather": (_ag, "reduce_scatter", True),
+    "reduce_scatter": (_rs, "all_gather", True),
+    "all_reduce": (_ar, "all_reduce", False),  # (elementwise over ranks: any batch dim stays where it is)
+}
+
+
+class _Collective(torch.autograd.Function):
+    """One of the three dim-0 collectives (``op``: a key of ``_COLLECTIVES``) as a complete torch.func primitive:
+    forward, the raw c10d call; backward, the transposed collective's own ``apply`` (differentiable again); jvp, the
+    collective of the tangent; vmap, one collective for the whole batch."""
+
     @staticmethod
-    def forward(x, group):
+    @untraced
+    def forward(x, op, group):
         with no_functorch():
-            return _ag(x, group)
+            return _COLLECTIVES[op][0](x, group)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
+        ctx.op, ctx.group = inputs[1], inputs[2]
 
     @staticmethod
+    @untraced
     def backward(ctx, g):
-        _raw_grads("funcshard.all_gather", g)
-        return _ReduceScatter.apply(g, ctx.group), None
+        _raw_grads(f"funcshard.{ctx.op}", g)
+        return _Collective.apply(g, _COLLECTIVES[ctx.op][1], ctx.group), None, None
 
     @staticmethod
-    def jvp(ctx, t, _):
-        return _AllGather.apply(t, ctx.group)
+    @untraced
+    def jvp(ctx, t, _op, _group):
+        return _Collective.apply(t, ctx.op, ctx.group)
 
     @staticmethod
-    def vmap(info, in_dims, x, group):
-        return _batched(_AllGather.apply, x, in_dims[0], group, "funcshard.all_gather")
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group):
-        with no_functorch():
-            return _rs(x, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        _raw_grads("funcshard.reduce_scatter", g)
-        return _AllGather.apply(g, ctx.group), None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return _ReduceScatter.apply(t, ctx.group)
-
-    @staticmethod
-    def vmap(info, in_dims, x, group):
-        return _batched(_ReduceScatter.apply, x, in_dims[0], group, "funcshard.reduce_scatter")
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group):
-        with no_functorch():
-            return _ar(x, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        _raw_grads("funcshard.all_reduce", g)
-        return _AllReduce.apply(g, ctx.group), None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return _AllReduce.apply(t, ctx.group)
-
-    @staticmethod
-    def vmap(info, in_dims, x, group):
-        return _AllReduce.apply(x, group), in_dims[0]
+    @untraced
+    def vmap(info, in_dims, x, op, group):
+        if not _COLLECTIVES[op][2]:
+            return _Collective.apply(x, op, group), in_dims[0]
+        return _batched(lambda y, pg: _Collective.apply(y, op, pg), x, in_dims[0], group, f"funcshard.{op}")
 
 
 class _CotangentMap(torch.autograd.Function):
@@ -274,6 +276,7 @@ class _CotangentMap(torch.autograd.Function):
         ctx.fn = inputs[1]
 
     @staticmethod
+    @untraced
     def backward(ctx, g):
         return ctx.fn(g), None
 
@@ -284,7 +287,7 @@ class _CotangentMap(torch.autograd.Function):
 
 def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
-    return _CotangentMap.apply(x, lambda g: _AllReduce.apply(g, group))
+    return _CotangentMap.apply(x, lambda g: _Collective.apply(g, "all_reduce", group))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -312,7 +315,7 @@ def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     Returns:
         Every rank's ``x`` concatenated along dim 0 (``world * x.shape[0]`` rows), in rank order.
     """
-    return _AllGather.apply(x, _group_of(group))
+    return _Collective.apply(x, "all_gather", _group_of(group))
 
 
 def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -326,7 +329,7 @@ def reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
     Returns:
         This rank's ``x.shape[0] // world`` rows of the sum over ranks (a sum: nothing is averaged).
     """
-    return _ReduceScatter.apply(x, _group_of(group))
+    return _Collective.apply(x, "reduce_scatter", _group_of(group))
 
 
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -340,7 +343,7 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     Returns:
         The sum of every rank's ``x`` (a new tensor; ``x`` is not modified).
     """
-    return _AllReduce.apply(x, _group_of(group))
+    return _Collective.apply(x, "all_reduce", _group_of(group))
 
 
 # ---- a bucket of parameters gathered by these primitives (composes under every transform) ----------------------
@@ -422,6 +425,6 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
     flat = scale_grad(flat, b.after)
     if replicate is not None:
         flat = replica_sum(flat, replicate)
-    full = _AllGather.apply(flat, group) if b.world > 1 else flat
+    full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat
     full = scale_grad(full, b.before).to(b.compute)
     return unflatten(b, full)

@@ -67,8 +67,10 @@ from funcshard._primitives import (
     gather_bucket,
     reduce_scatter,
     unflatten,
+    untraced,
 )
-from funcshard._compat import c10d_functional, get_interpreter_stack, is_functorch_wrapped_tensor
+from funcshard._compat import (c10d_functional, get_dynamic_layer_stack_depth, get_interpreter_stack,
+                               is_functorch_wrapped_tensor)
 from funcshard._plan import Plan
 from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._schedule import label
@@ -160,6 +162,16 @@ class _Gather(torch.autograd.Function):
         ctx.bucket = inputs[0]
 
     @staticmethod
+    def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
+        """Under a vmap of the module's inputs alone (the state differentiated by plain autograd, or not at all):
+        unbatched shards, one unbatched gather. (Batched shards are functorch-wrapped: ``_composed`` gathers them.)"""
+        if any(d is not None for d in in_dims[1:]):
+            raise NotImplementedError(f"{_WHAT}: the c10d gather of group {b.group!r} got batched shards under vmap "
+                                      f"(an internal routing error: a transform of the state gathers through the "
+                                      f"composable collectives); gather with funcshard.gather meanwhile")
+        return _Gather.apply(b, *shards), None
+
+    @staticmethod
     def backward(ctx, grad):
         b: Bucket = ctx.bucket
         compiling = torch.compiler.is_compiling()  # (dynamo traces this backward: no functorch levels to read)
@@ -246,26 +258,45 @@ def gathered(plan: Plan, state: Mapping[str, torch.Tensor], what: str = _WHAT) -
     """The full parameters (every alias of a tied one), gathered with one traceable all-gather per group and compute
     dtype; differentiable: each trainable shard's gradient is the reduce-scatter of the full gradient, divided by
     the group's factor, in the shard's dtype. A group that reshards after forward is gathered inside a selective
-    checkpoint whose every op (all-gather, copy-out) is ``MUST_RECOMPUTE``: the compiled backward gathers it again."""
+    checkpoint whose every op (all-gather, copy-out) is ``MUST_RECOMPUTE``: the compiled backward gathers it again.
+    Under a torch.func transform of the state: ``_composed``."""
+    if torch.compiler.is_compiling():
+        if get_dynamic_layer_stack_depth():  # (a transform that dynamo traces: run eagerly, see _composed)
+            return _composed(plan, state, what)
+    elif get_interpreter_stack() and any(is_functorch_wrapped_tensor(t) for t in state.values()):
+        return _composed(plan, state, what)
     out: dict[str, torch.Tensor] = {}
-    composed = (not torch.compiler.is_compiling() and get_interpreter_stack()
-                and any(is_functorch_wrapped_tensor(t) for t in state.values()))
-    if composed:  # a torch.func transform of the state: the primitives' gather (every transform composes)
-        pg, rep = plan.shard_group()[0], plan.replicate_group()
-        for g in plan.groups:
-            check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
     for b in layout(plan).buckets:
         shards = [state[p.path] for p in b.params]
-        if composed:
-            params = gather_bucket(b, shards, pg, rep, what)
-        elif b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
+        if b.recompute and torch.is_grad_enabled() and torch.compiler.is_compiling():  # (eagerly: no use)
             params = torch.utils.checkpoint.checkpoint(_gather_bucket, b, *shards, use_reentrant=False,
                                                        context_fn=_recompute_context)
         else:
             params = _gather_bucket(b, *shards)
-        for p, param in zip(b.params, params):
-            for alias in p.aliases:
-                out[alias] = param
+        _named(out, b, params)
+    return out
+
+
+def _named(out: dict[str, torch.Tensor], b: Bucket, params) -> None:
+    for p, param in zip(b.params, params):
+        for alias in p.aliases:
+            out[alias] = param
+
+
+@untraced
+def _composed(plan: Plan, state: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """``gathered`` under a torch.func transform of the state: each bucket by the primitives' gather
+    (``gather_bucket``: every transform and nesting composes), after ``check_reverse_levels``. Never traced
+    (``untraced``): dynamo cannot break a transform's body, so under ``torch.compile`` this graph break makes it run
+    the transform eagerly (before: the c10d functional gather on dynamo's GradTrackingTensors, a torch error; a
+    compiled grad of grad would have dropped the second-order term, the compiled backward being first order), and
+    ``fullgraph=True`` refuses it naming ``_primitives._UNTRACED``'s way out."""
+    pg, rep = plan.shard_group()[0], plan.replicate_group()
+    for g in plan.groups:
+        check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
+    out: dict[str, torch.Tensor] = {}
+    for b in layout(plan).buckets:
+        _named(out, b, gather_bucket(b, [state[p.path] for p in b.params], pg, rep, what))
     return out
 
 
@@ -288,8 +319,9 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
     MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
     (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
-    exact: gradients are sums over ranks). Not refused but first order: a compiled step (``torch.compile`` of a
-    function that nests transforms is not checked). Memory, not compiled: every group's unsharded parameters live
+    exact: gradients are sums over ranks). Under ``torch.compile`` a transform of the state through it runs eagerly
+    (the composable gather is a graph break inside it, so dynamo runs the transform eagerly: right, not compiled), and
+    ``fullgraph=True`` refuses it naming the way out. Memory, not compiled: every group's unsharded parameters live
     from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
     transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
     is the compiled path's only.

@@ -74,6 +74,7 @@ before the Adam step). ``amsgrad``, ``maximize``, ``foreach``, ``fused``,
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Union
 
@@ -98,6 +99,8 @@ from funcshard._compat import (
     foreach_mul_,
     foreach_norm,
     foreach_sqrt,
+    get_interpreter_stack,
+    is_functorch_wrapped_tensor,
 )
 from funcshard._offload import check_pin, start_to_device, start_to_host, to_host
 from funcshard._spec import shard_like
@@ -396,9 +399,39 @@ def _check_lr(where: str, lr: Any) -> None:
 
 def _checked(update_fn: Callable, check: Callable) -> Callable:
     """``update_fn`` with its input check attached (``update_fn.check(updates, state, params)``, raising what
-    ``update_fn`` would raise for bad input): a donating chain or step runs every check before anything changes."""
-    update_fn.check = check
-    return update_fn
+    ``update_fn`` would raise for bad input): a donating chain or step runs every check before anything changes.
+    It refuses tensors of a torch.func transform first (``_untransformed``)."""
+    where = f"optim.{update_fn.__qualname__.split('.')[0]}"
+
+    @functools.wraps(update_fn)
+    def update(updates, state, *rest, **extra):
+        _untransformed(where, updates, rest[0] if rest else extra.get("params"))
+        return update_fn(updates, state, *rest, **extra)
+
+    update.check = check
+    return update
+
+
+def _untransformed(where: str, *trees: PyTree) -> None:
+    """Refuse tensors of an active torch.func transform: the optimizers run under ``torch.no_grad`` with foreach
+    kernels, so under ``grad``/``jvp`` their step would be a constant (an optimizer step inside ``torch.func.grad``,
+    as in MAML: measured, the second-order term silently 0) and under ``vmap`` the kernels have no batching rules."""
+    if not get_interpreter_stack():
+        return
+    for tree in trees:
+        paths, leaves, _ = tree_flatten_with_path(tree)
+        for path, t in zip(paths, leaves):
+            if isinstance(t, torch.Tensor) and is_functorch_wrapped_tensor(t):
+                from funcshard._primitives import transform_stack
+
+                raise NotImplementedError(
+                    f"{where} got {_keystr(path)}, a tensor of the torch.func transform {transform_stack()}: the "
+                    f"optimizers run under torch.no_grad with foreach kernels, so their step would not be "
+                    f"differentiated (grad/jvp) nor batched (vmap). Take the step outside the transform "
+                    f"(grads = torch.func.vmap(torch.func.grad(loss))(...), then tx.update); through an inner step "
+                    f"(MAML) write it with torch ops ({{k: p - lr * g}}); for an ensemble call tx.update on the "
+                    f"stacked trees outside vmap (elementwise optimizers act per member; clip_by_global_norm would "
+                    f"take one norm over all the members)")
 
 
 def _precheck(tx: Any, updates: PyTree, state: Any, params: PyTree) -> None:
@@ -450,6 +483,7 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
+        _untransformed("optim.scale", updates)
         return _scale_leaves(updates, step_size, extra.get("donate", False)), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -750,15 +784,8 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
             device = leaves[0].device
             if len(devices) > 1:
                 norms = [n.to(device) for n in norms]
-            sq = torch.stack(norms).square().sum()
-            group = _resolve_group(mesh)
-            if group is not None:
-                if sq.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # (CPU-offloaded grads)
-                    sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
-                bounded_all_reduce(sq, group, "optim.clip_by_global_norm")
-                sq = sq.to(device)
-            total_norm = sq.sqrt()
-            clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            sq = _summed(torch.stack(norms).square().sum(), mesh, "optim.clip_by_global_norm")
+            clip_coef = _clip_factor(max_norm, sq)
             if len(devices) > 1:
                 out = [u * clip_coef.to(u.device) for u in leaves]
             elif extra.get("donate", False):
@@ -771,6 +798,71 @@ def clip_by_global_norm(max_norm: float, *, mesh: Any = None) -> GradientTransfo
     update_fn = _checked(update_fn, check)
     update_fn.reads_all_params = True  # (offload() steps one group at a time: it refuses this inside)
     return GradientTransformation(init_fn, update_fn)
+
+
+def _summed(sq: torch.Tensor, mesh: Any, what: str) -> torch.Tensor:
+    """Local sums of squares ``sq`` summed over ``mesh`` (``_resolve_group``), on ``sq``'s device."""
+    group = _resolve_group(mesh)
+    if group is None:
+        return sq
+    device = sq.device
+    if sq.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # (CPU-offloaded grads)
+        sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
+    bounded_all_reduce(sq, group, what)
+    return sq.to(device)
+
+
+def _clip_factor(max_norm: float, sq: torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` of the squared norms ``sq`` (``clip_grad_norm_``'s and Opacus's)."""
+    return torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+
+
+def per_example_global_norm_clip(grads: PyTree, max_norm: float, *, mesh: Any = None
+                                 ) -> tuple[PyTree, torch.Tensor]:
+    """DP-SGD's per-example clipping (optax's ``per_example_global_norm_clip``, Opacus's clip factor) of per-example
+    gradients, sharded or not: each example's gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``, ``norm``
+    its global L2 norm over the full (unsharded) parameters, and the scaled gradients are summed over the examples.
+
+    ``grads`` has a leading example dim on every leaf, e.g. ``torch.func.vmap(torch.func.grad(loss), in_dims=(None,
+    0))(state, examples)`` over sharded state. Each example's local sum of squares (accumulated in float32, float64
+    if a leaf is float64) is summed over ranks with ONE all-reduce of the ``(examples,)`` vector over ``mesh``, as
+    :func:`clip_by_global_norm` reduces its scalar; the rest is local. Not under a torch.func transform (refused:
+    take it outside, on vmap's result).
+
+    Args:
+        grads: a pytree of tensors, each ``(examples, *shard shape)``, the same number of examples in every leaf.
+        max_norm: the largest per-example global L2 norm kept (>= 0).
+        mesh: what the sums of squares are all-reduced over: a ``DeviceMesh`` (its last axis, the shard axis), a
+            ``ProcessGroup``, or None (the default group when one is initialised, else no reduction).
+
+    Returns:
+        ``(clipped, num_clipped)``: the sum over examples of the clipped gradients (a pytree like ``grads`` without
+        the example dim, in each leaf's dtype) and the number of examples whose norm exceeded ``max_norm`` (a 0-dim
+        int64 tensor).
+    """
+    where = "optim.per_example_global_norm_clip"
+    _check_nonneg("max_norm", max_norm, where)
+    _untransformed(where, grads)
+    paths, leaves, spec = tree_flatten_with_path(grads)
+    _check_tensor_leaves(where, "grads", grads, leaves)
+    sizes = {tuple(t.shape[:1]) for t in leaves}
+    if not leaves or len(sizes) != 1 or sizes == {()} or not next(iter(sizes))[0]:
+        shapes = ", ".join(f"{_keystr(p)}: {tuple(t.shape)}" for p, t in zip(paths, leaves)) or "no leaves"
+        raise ValueError(f"{where}: every leaf of grads needs the same leading example dim (at least one example), "
+                         f"got {shapes}; pass per-example gradients, e.g. torch.func.vmap(torch.func.grad(loss), "
+                         f"in_dims=(None, 0))(state, examples)")
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in leaves) else torch.float32
+    with torch.no_grad():
+        device = leaves[0].device
+        sq = sum(t.reshape(t.shape[0], -1).to(device, acc).square().sum(1) for t in leaves)
+        sq = _summed(sq, mesh, where)
+        factor = _clip_factor(max_norm, sq)
+        clipped = [torch.einsum("i,i...->...", factor.to(t.device, t.dtype), t) for t in leaves]
+        num_clipped = (sq.sqrt() > max_norm).sum()
+    return tree_unflatten(spec, clipped), num_clipped
+
+
+__all__ += ["per_example_global_norm_clip"]
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -1067,6 +1159,7 @@ def apply_updates(params: PyTree, updates: PyTree, *, donate: bool = False) -> P
         donate: update ``params`` in place and return them (the caller gives them up).
     """
     where = "apply_updates"
+    _untransformed(f"optim.{where}", params, updates)
     p, spec = tree_flatten(params)
     u, u_spec = tree_flatten(updates)
     _check_match(
