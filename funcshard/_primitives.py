@@ -97,7 +97,8 @@ def divided_twice(what: str, factor: float, replicated: bool = False) -> str:
     """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``
     or sums over replicas."""
     why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
-    return f"{what}: a gradient taken with create_graph=True was differentiated again, {why}"
+    return (f"{what}: a gradient taken with create_graph=True was differentiated again (or a torch.func gradient "
+            f"differentiated by autograd), {why}")
 
 
 def check_backward_transforms(what: str) -> None:
@@ -285,6 +286,36 @@ class _CotangentMap(torch.autograd.Function):
         return t.clone()
 
 
+class _NotAgain(torch.autograd.Function):
+    """The identity on a gradient that a gather's backward divided by the plan's factor or summed over replicas;
+    differentiating it again raises ``refusal`` (``divided_twice``): that second reverse level would divide (sum) once
+    more. Reached where no transform stack shows the two levels to ``check_reverse_levels``: plain autograd over a
+    ``torch.func`` gradient (MAML's meta-gradient by ``funcshard.value_and_grad`` or ``loss.backward()`` over an inner
+    ``torch.func.grad``). Forward-mode and vmap pass through (``jvp(grad)``, ``vmap(grad)``: one reverse level)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, refusal):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.refusal = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        raise NotImplementedError(ctx.refusal)
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return t.view_as(t)
+
+
+def _not_again(refusal: str, g: torch.Tensor) -> torch.Tensor:
+    return _NotAgain.apply(g, refusal) if torch.is_grad_enabled() else g
+
+
 def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
     return _CotangentMap.apply(x, lambda g: _Collective.apply(g, "all_reduce", group))
@@ -422,6 +453,9 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
+    if b.before * b.after != 1.0 or replicate is not None:  # (a gradient of these shards is first order: _NotAgain)
+        flat = _CotangentMap.apply(flat, functools.partial(
+            _not_again, divided_twice(what, b.before * b.after, replicate is not None)))
     flat = scale_grad(flat, b.after)
     if replicate is not None:
         flat = replica_sum(flat, replicate)

@@ -229,7 +229,8 @@ def _paths(m, mesh, kw, compute=None):
     }
 
 
-SECOND_REVERSE = ("grad_gnorm", "autograd_double", "maml", "autograd_maml")  # two reverse levels
+SECOND_REVERSE = ("grad_gnorm", "autograd_double", "maml", "autograd_maml", "func_then_autograd_maml")  # two reverse
+# levels (the last: plain autograd over a torch.func gradient; before, on a divide factor W: 1.2e-2 off at W=2, silent)
 _DIVIDED = r"{}.*divide factor of {}: each gather's backward divides.*grad_divide_factor=1\.0"
 _APPLY_JACREV = r"the backward of funcshard\.apply ran under vmap .*jacrev"
 
@@ -241,8 +242,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
-    if path in ("apply", "apply_sum") and row in APPLY_CREATE_GRAPH:  # (the runtime's first-order backward)
-        return _APPLY_SECOND
+    if path in ("apply", "apply_sum") and row in (*APPLY_CREATE_GRAPH, "func_then_autograd_maml"):  # (the runtime's
+        return _APPLY_SECOND  # first-order backward; the last: its torch.func.grad gradient, differentiated below)
     if hsdp and path != "gather" and row in SECOND_REVERSE:
         return (_DIVIDED if path in ("traced", "apply") else _REPLICAS).format(
             f"funcshard\\.{'apply' if path.startswith('apply') else 'traced_apply'}", world)
@@ -318,6 +319,11 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         return dict(zip(s, torch.autograd.grad(f({k: t - LR * gk for (k, t), gk in zip(s.items(), gs)}),
                                                list(s.values()))))
 
+    def func_then_autograd_maml():  # (the inner step by torch.func, the meta-gradient by plain autograd)
+        s = leaves()
+        maml(f, grad(f), LR)(s).backward()
+        return {k: t.grad for k, t in s.items()}
+
     vec = lambda s: sharded(s, x).sum(0)  # noqa: E731
     ref_vec = lambda p: call(p, x).sum(0)  # noqa: E731
     return {
@@ -332,6 +338,8 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "maml": (lambda: grad(maml(f, grad(f), LR))(state),
                  lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "autograd_maml": (autograd_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "func_then_autograd_maml": (func_then_autograd_maml,
+                                    lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "hvp": (lambda: jvp(grad(f), (state,), (Vs,)),
                 lambda: tuple(sh(scaled(t)) for t in jvp(grad(ref), (full,), (V,)))),
         "ensemble": (lambda: vmap(f)(stacked), lambda: vmap(ref)(full_members)),
@@ -396,13 +404,14 @@ def test_table(world):
     """The issue's table on gather + functional_call, traced_apply and apply (the plan's divide factor, and
     grad_divide_factor=1.0: "_sum"), root-only and per-block plans (W=1: root only; W=2: also HSDP): jvp w.r.t. the
     state and the inputs, vmap(grad) per-sample gradients (shards with a leading batch dim), grad of a gradient norm
-    (torch.func and autograd create_graph), MAML (both), jvp(grad) HVP, vmap over stacked states (values and
+    (torch.func and autograd create_graph), MAML (torch.func, autograd create_graph, and autograd over an inner
+    torch.func.grad), jvp(grad) HVP, vmap over stacked states (values and
     gradients), jacrev, a vmap of the inputs alone under plain autograd (before: a torch error, "vmap over _Gather");
     fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels
     through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
     for res in run_ranks(world, _table, plans):
-        assert len(res) == len(plans) * (5 * 13 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+        assert len(res) == len(plans) * (5 * 14 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
         for res in run_ranks(world, _table, ("root",), None, True):
@@ -410,7 +419,8 @@ def test_table(world):
 
 
 OTHER_PLANS = ("nested", "tied", "frozen", "bf16")
-QUICK_ROWS = ("grad", "vmap_grad", "maml", "hvp", "ensemble_grad")  # (the default suite's rows and paths)
+# (the default suite's rows and paths)
+QUICK_ROWS = ("grad", "vmap_grad", "maml", "func_then_autograd_maml", "hvp", "ensemble_grad")
 QUICK_PATHS = ("gather", "traced_sum", "apply")
 
 
@@ -425,7 +435,7 @@ def test_table_over_plans(world, quick):
     ``-m slow``."""
     names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
     for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
-        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 13 - 2 * len(APPLY_CREATE_GRAPH)
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 14 - 2 * len(APPLY_CREATE_GRAPH)
         assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
         _check_table(res, world)
 

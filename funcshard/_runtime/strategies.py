@@ -489,7 +489,10 @@ class _StepGather(torch.autograd.Function):
     @staticmethod
     @runtime_boundary
     def backward(ctx, *grads):
-        return (None, *first_order(_second_order_dep(grads), ctx.step.fused.shard_grads()))
+        out = first_order(_second_order_dep(grads), ctx.step.fused.shard_grads())
+        if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
+            out = _tracked_below(ctx.step, out)
+        return (None, *out)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -547,8 +550,8 @@ def _saving_views():
 
 
 _SECOND_ORDER = (
-    "funcshard.apply: a gradient taken with create_graph=True was differentiated again (grad of a gradient, MAML, a "
-    "Hessian-vector product): apply's runtime reduce-scatters the gradient outside autograd, so the terms through the "
+    "funcshard.apply: a gradient taken with create_graph=True was differentiated again (or a torch.func.grad gradient "
+    "differentiated by plain autograd; grad of a gradient, MAML, a Hessian-vector product): apply's runtime reduce-scatters the gradient outside autograd, so the terms through the "
     "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
     "returned. For second order run the same loss with funcshard.traced_apply or funcshard.gather + "
     "torch.func.functional_call (their collectives are differentiable at any order; plan with grad_divide_factor=1.0 "
@@ -562,6 +565,43 @@ def _second_order_dep(cotangents) -> torch.Tensor | None:
     if not torch.is_grad_enabled() or get_interpreter_stack():
         return None
     return next((g for g in cotangents if g is not None and g.requires_grad), None)
+
+
+class _FirstOrderBelow(torch.autograd.Function):
+    """``_FirstOrder`` for the runtime's gradients under ``torch.func.grad``: at the transform's level, the values;
+    below it (plain autograd recording the transform, because the state under its wrappers requires grad: MAML's
+    meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad``), a node that depends on the state and raises
+    ``_SECOND_ORDER`` when differentiated. Before, those gradients were constants there: the second-order term was
+    silently missing."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n, *args):
+        return tuple(g.view_as(g) for g in args[n:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(_SECOND_ORDER)
+
+    @staticmethod
+    def jvp(ctx, n, *tangents):
+        return tuple(t.view_as(t) if t is not None else None for t in tangents[n:])
+
+
+def _tracked_below(step, grads):
+    deps = [t for t in step.state.values() if isinstance(t, torch.Tensor)]
+    at = [i for i, g in enumerate(grads) if g is not None]
+    if not at or not deps:
+        return grads
+    grads = list(grads)
+    for i, g in zip(at, _FirstOrderBelow.apply(len(deps), *deps, *(grads[i] for i in at))):
+        grads[i] = g
+    return grads
 
 
 class _FirstOrder(torch.autograd.Function):
