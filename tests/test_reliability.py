@@ -302,10 +302,76 @@ def _loss_of_an_inner_activation():
     return {**out, **{f"inner {k}": torch.allclose(got[k], want[k], atol=1e-6) for k in want}}
 
 
+def _inner_activation_backward() -> dict:
+    """Autograd reaching a group freed after forward without passing through its outputs (issue 31 item 5): a loss
+    of an activation inside the group alone, by ``.backward()`` on apply (``reshard_after_forward`` True and 1) and
+    fully_shard; the primal and tangent of ``torch.func.jvp`` over apply, differentiated by ``.backward()`` and by
+    ``funcshard.value_and_grad``. Each raised torch's "setStorage ... out of bounds for storage of size 0" (FSDP2
+    raises it on the same model); now the group is gathered again when autograd unpacks its saved parameters, and
+    the gradients equal the one-process reference's bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    import funcshard.fsdp as fs
+    from models import MLP, Block
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = MLP(layers=2)
+    stash = []
+    model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+    x = torch.randn(4, 7)
+    full = {k: v.detach() for k, v in model.named_parameters()}
+
+    def inner(out):
+        del out
+        return stash.pop().square().mean()
+
+    ref = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
+    out = {}
+    for reshard in (True, 1):
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        inner(funcshard.apply(plan, state, x)).backward()
+        want = funcshard.shard(plan, ref)
+        out[f"apply {reshard}"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    fsdp_model = MLP(layers=2)
+    fsdp_model.load_state_dict(model.state_dict())
+    fsdp_model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+    for b in fsdp_model.blocks:
+        fs.fully_shard(b, mesh=mesh)
+    fs.fully_shard(fsdp_model, mesh=mesh)
+    inner(fsdp_model(x)).backward()
+    out["fully_shard"] = all(torch.equal(p.grad.full_tensor(), ref[k]) if p.grad is not None else not ref[k].any()
+                             for k, p in fsdp_model.named_parameters())  # (None: no gradient reached it)
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, v = torch.randn(5, 3), torch.randn(5, 3)
+    p = {k: t.detach() for k, t in m.named_parameters()}
+    ref = torch.func.grad(lambda p: (lambda o, d: (o - d.detach()).pow(2).sum())(
+        *torch.func.jvp(lambda z: torch.func.functional_call(m, p, (z,)), (x,), (v,))))(p)
+    plan = funcshard.plan(m, mesh, groups=(torch.nn.Linear,))
+    want = funcshard.shard(plan, ref)
+
+    def loss(s):
+        o, d = torch.func.jvp(lambda z: funcshard.apply(plan, s, z), (x,), (v,))
+        return (o - d.detach()).pow(2).sum()
+
+    state = {k: t.requires_grad_() for k, t in funcshard.shard(plan).items()}
+    loss(state).backward()
+    out["jvp .backward()"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    got = funcshard.value_and_grad(loss)(funcshard.shard(plan))[1]
+    out["jvp value_and_grad"] = all(torch.equal(got[k], want[k]) for k in want)
+    return out
+
+
 def test_grad_of_an_inner_activation_only():
     from multirank import run_ranks
 
     for out in run_ranks(2, _loss_of_an_inner_activation):
+        assert all(out.values()), out
+    for out in run_ranks(2, _inner_activation_backward):
         assert all(out.values()), out
 
 

@@ -48,6 +48,7 @@ from funcshard._runtime.check import Checks
 from funcshard._runtime.group import GroupRun, single_grad_level
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
+from funcshard._runtime.saved import SavedViews
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
 _PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
@@ -138,6 +139,7 @@ class Step:
         self.last_pre_backward = -1
         self.ran_early: set[str] = set()  # groups whose pre-backward ran ahead of their own hook (pre_backward)
         self.checks = Checks(self)
+        self.saved = SavedViews(self)  # saved-tensor hooks for the forward: a freed group gathered when unpacked
 
     def phase(self) -> str:
         return "backward" if self.backward_started else "forward"
@@ -155,6 +157,7 @@ class Step:
         # graph, which holds the step: a cycle through autograd's C++ nodes that gc cannot break; steps leaked)
         self.reduce_queue.item = None
         self.in_forward = False
+        self.saved.pop()
         for run in self.runs.values():
             run.drop()
 
@@ -190,6 +193,7 @@ class Step:
     # ---- forward ------------------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self.in_forward = True
+        self.saved.push()
 
     def module_pre_forward(self, name: str, module: Any, args: tuple, kwargs: dict | None = None
                            ) -> tuple[tuple, dict] | None:
@@ -245,6 +249,7 @@ class Step:
     def end_forward(self) -> None:
         """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
         self.in_forward = False
+        self.saved.pop()
         self.checks.collective("end of forward")
         self.checks.post()
         for name in self.tracker.unfinished():
@@ -364,6 +369,7 @@ class Step:
         """Leave the forward; returns what must live as long as the root output's backward hook (``Fused``: the
         graph's parameter views, held by the graph, not by the step)."""
         self.in_forward = False
+        self.saved.pop()
         self.relay.end_forward()
         if self.no_backward:
             _remove(self.hook_handles)
