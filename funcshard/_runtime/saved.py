@@ -82,10 +82,12 @@ class SavedViews:
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t):
+            # (detached: a tensor saved by its own node, an output, would otherwise hold that node in a reference
+            # cycle through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history)
             name = owners.get(_key(t)) if owners else None
             if name is not None:
-                return _Aliased(t, name)
-            return t if outer_pack is None else outer_pack(t)
+                return _Aliased(t.detach(), name)
+            return t.detach() if outer_pack is None else outer_pack(t)
 
         def unpack(x):
             if isinstance(x, _Aliased):
