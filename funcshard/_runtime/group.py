@@ -83,8 +83,9 @@ class GroupRun(Part):
         if self.buffers.status is Status.SHARDED:
             self.unshard()
         self.buffers.wait()
-        if self.step.saved.hooks is not None:  # (its storage, for the forward's saved-tensor hooks)
-            self.step.saved.note(self.name, self.buffers.storages())
+        saved = self.step.saved
+        if saved is not None and saved.hooks is not None:  # (its storage, for the forward's saved-tensor hooks)
+            saved.note(self.name, self.buffers.storages())
 
     @failing
     def reshard(self) -> None:

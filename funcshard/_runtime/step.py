@@ -48,7 +48,7 @@ from funcshard._runtime.check import Checks
 from funcshard._runtime.group import GroupRun, single_grad_level
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
-from funcshard._runtime.saved import SavedViews
+from funcshard._runtime.saved import SavedViews, hook_owners
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
 _PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
@@ -349,6 +349,8 @@ class Step:
                              and not get_interpreter_stack())
             if self.fused_on:
                 self.fused.begin()
+                if not self.saved.off:  # (no saved-tensor hooks under a grad transform)
+                    hook_owners(self, handles)
             self.runs[ROOT].gather_for_forward()
             self.runs[ROOT].swap_in()
             self.begin_forward()
