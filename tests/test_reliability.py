@@ -337,6 +337,15 @@ def _inner_activation_backward() -> dict:
         got = torch.func.grad(lambda s: inner(funcshard.apply(plan, s, x)))(funcshard.shard(plan))
         out[f"apply {reshard} torch.func.grad"] = all(torch.equal(got[k], want[k]) for k in want)
 
+    # a saved view of a freed group read outside backward (grad_fn._saved_*): an error, not freed memory (a segfault)
+    plan = funcshard.plan(model, mesh, groups=(Block,))
+    kept = funcshard.apply(plan, {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}, x)
+    try:
+        stash.pop().grad_fn._saved_mat2
+        out["saved view read outside backward"] = False
+    except RuntimeError as e:
+        out["saved view read outside backward"] = "'blocks.1' is a view of the group's unsharded" in str(e)
+    del kept
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x, v = torch.randn(5, 3), torch.randn(5, 3)
     p = {k: t.detach() for k, t in m.named_parameters()}

@@ -154,9 +154,9 @@ def _ensure_gathered(step: Step, saved: _Aliased) -> None:
     """Autograd unpacks a saved view of group ``saved.name``'s unsharded storage: gather the group first."""
     if current_graph_task_id() == -1 and step.groups[saved.name].status is not Status.GATHERED:
         raise RuntimeError(
-            f"funcshard: a tensor autograd saved in group {saved.name!r}'s forward is a view of its unsharded "
-            f"parameters, which are freed outside backward; read it inside backward (or keep the group gathered: "
-            f"reshard_after_forward=False for it) ({step.api})")
+            f"funcshard: a tensor autograd saved in the forward of group {saved.name!r} is a view of the group's "
+            f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
+            f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
     regather(step, saved.name)
 
 
