@@ -105,9 +105,8 @@ class SavedViews:
         self.owners: dict[int, str] = {}
         self.hooks = None  # the saved_tensors_hooks context while pushed
         self.entry = None  # its _STACK entry while pushed
-        # no hooks: the forward may run in code torch.compile traces (dynamo would trace them into its graphs: other
-        # graphs), as apply's under torch.compile and fully_shard's; a backward that bypasses a freed group's outputs
-        # then fails as in FSDP2
+        # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
+        # bypasses a freed group's outputs then fails as in FSDP2
         self.off = False
 
     def note(self, name: str, tensors) -> None:
@@ -116,9 +115,20 @@ class SavedViews:
             if k is not None:
                 self.owners[k] = name
 
+    def begin(self, handles: list) -> None:
+        """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward):
+        push the hooks, or under a ``torch.func`` grad level (no saved-tensor hooks there) ``hook_owners``."""
+        step = self._step()
+        if self.off:
+            return
+        if step.fused_on:
+            hook_owners(step, handles)
+        else:
+            self.push()
+
     def push(self) -> None:
         step = self._step()
-        if self.hooks is not None or self.off or not hooks_allowed():
+        if self.hooks is not None or not hooks_allowed():
             return
         if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
                    for gb in step.groups.values()):

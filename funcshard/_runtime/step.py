@@ -48,7 +48,7 @@ from funcshard._runtime.check import Checks
 from funcshard._runtime.group import GroupRun, single_grad_level
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
-from funcshard._runtime.saved import SavedViews, hook_owners
+from funcshard._runtime.saved import SavedViews
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
 _PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
@@ -122,7 +122,7 @@ class Step:
                      for name, gb in self.groups.items()}
         self.tracker = ForwardTracker(facts.members)
         self.prefetcher = Prefetcher(self)
-        self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)
+        self.nodes, self.relay, self.fused, self.saved = Nodes(self), Relay(self), Fused(self), SavedViews(self)
         self.reduce_queue, self.frozen, self.recompute = ReduceQueue(self), FrozenRelease(self), Recompute(self)
         self.fused_on = False  # open_forward(): one _StepGather for the step (under a torch.func grad transform)
         self.in_forward = False
@@ -139,7 +139,6 @@ class Step:
         self.last_pre_backward = -1
         self.ran_early: set[str] = set()  # groups whose pre-backward ran ahead of their own hook (pre_backward)
         self.checks = Checks(self)
-        self.saved = SavedViews(self)  # saved-tensor hooks for the forward: a freed group gathered when unpacked
 
     def phase(self) -> str:
         return "backward" if self.backward_started else "forward"
@@ -157,7 +156,6 @@ class Step:
         # graph, which holds the step: a cycle through autograd's C++ nodes that gc cannot break; steps leaked)
         self.reduce_queue.item = None
         self.in_forward = False
-        self.saved.pop()
         for run in self.runs.values():
             run.drop()
 
@@ -193,7 +191,6 @@ class Step:
     # ---- forward ------------------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self.in_forward = True
-        self.saved.push()
 
     def module_pre_forward(self, name: str, module: Any, args: tuple, kwargs: dict | None = None
                            ) -> tuple[tuple, dict] | None:
@@ -249,7 +246,6 @@ class Step:
     def end_forward(self) -> None:
         """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
         self.in_forward = False
-        self.saved.pop()
         self.checks.collective("end of forward")
         self.checks.post()
         for name in self.tracker.unfinished():
@@ -349,11 +345,10 @@ class Step:
                              and not get_interpreter_stack())
             if self.fused_on:
                 self.fused.begin()
-                if not self.saved.off:  # (no saved-tensor hooks under a grad transform)
-                    hook_owners(self, handles)
             self.runs[ROOT].gather_for_forward()
             self.runs[ROOT].swap_in()
             self.begin_forward()
+            self.saved.begin(handles)  # (a freed group gathered when backward reads its saved parameters)
             root = plan.groups[0]
             if root.param_dtype is not None and root.cast_forward_inputs:
                 args, kwargs = cast_floating(root.param_dtype, (args, kwargs))

@@ -118,7 +118,6 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     if ctx.fwd_root is None:  # the first unit to run forward runs this iteration's root logic
         step = ctx.begin()  # (raises before the forward counts as begun: a retry starts afresh)
         ctx.fwd_root, ctx.fwd_module = unit, module
-        step.saved.off = True  # (torch.compile may trace the forward, which these hooks cannot tell: test_compile)
         step.begin_forward()
         if unit.mesh.device_type != "cpu":  # like FSDP2's root: inputs to the mesh's device
             device = device_of(unit.mesh, "fully_shard")
