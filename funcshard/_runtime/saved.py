@@ -128,15 +128,15 @@ class SavedViews:
 
     def push(self) -> None:
         step = self._step()
-        if self.hooks is not None or not hooks_allowed():
-            return
+        if self.hooks is not None or top_saved_tensors_default_hooks is None or not hooks_allowed():
+            return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
         if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
                    for gb in step.groups.values()):
             return  # nothing is freed after forward: nothing to gather again
         for name, gb in step.groups.items():
             if gb.bases is not None:
                 self.note(name, gb.storages())
-        top = top_saved_tensors_default_hooks(False) if top_saved_tensors_default_hooks is not None else None
+        top = top_saved_tensors_default_hooks(False)
         if top is not None and top[0] is _pack:  # a forward inside another's: the caller's hooks are that one's
             outer = _STACK[-1][2] if _STACK else None
         else:
@@ -155,7 +155,7 @@ class SavedViews:
             if _STACK[i] is entry:
                 del _STACK[i]
                 break
-        top = top_saved_tensors_default_hooks(False) if top_saved_tensors_default_hooks is not None else None
+        top = top_saved_tensors_default_hooks(False)
         if top is not None and top[0] is _pack:
             hooks.__exit__(None, None, None)
 
