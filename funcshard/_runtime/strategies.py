@@ -34,7 +34,9 @@ from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
     get_interpreter_stack,
+    get_unwrapped,
     function_base_apply,
+    is_functorch_wrapped_tensor,
     top_saved_tensors_default_hooks,
     unwrap_if_dead,
     will_engine_execute_node,
@@ -594,7 +596,7 @@ class _FirstOrderBelow(torch.autograd.Function):
 
 
 def _tracked_below(step, grads):
-    deps = [t for t in step.state.values() if isinstance(t, torch.Tensor)]
+    deps = [t for t in step.state.values() if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
     at = [i for i, g in enumerate(grads) if g is not None]
     if not at or not deps:
         return grads
@@ -602,6 +604,14 @@ def _tracked_below(step, grads):
     for i, g in zip(at, _FirstOrderBelow.apply(len(deps), *deps, *(grads[i] for i in at))):
         grads[i] = g
     return grads
+
+
+def _base_requires_grad(t: torch.Tensor) -> bool:
+    """Whether plain autograd below every torch.func wrapper records ``t`` (else the Function above is not needed:
+    nothing below the transform can differentiate the gradients, and the step skips its cost)."""
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t.requires_grad
 
 
 class _FirstOrder(torch.autograd.Function):
