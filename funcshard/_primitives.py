@@ -286,34 +286,48 @@ class _CotangentMap(torch.autograd.Function):
         return t.clone()
 
 
-class _NotAgain(torch.autograd.Function):
-    """The identity on a gradient that a gather's backward divided by the plan's factor or summed over replicas;
-    differentiating it again raises ``refusal`` (``divided_twice``): that second reverse level would divide (sum) once
-    more. Reached where no transform stack shows the two levels to ``check_reverse_levels``: plain autograd over a
-    ``torch.func`` gradient (MAML's meta-gradient by ``funcshard.value_and_grad`` or ``loss.backward()`` over an inner
-    ``torch.func.grad``). Forward-mode and vmap pass through (``jvp(grad)``, ``vmap(grad)``: one reverse level)."""
+class _Refused(torch.autograd.Function):
+    """The identity on gradients, depending on ``deps`` so that autograd reaches it exactly when those gradients are
+    differentiated again, which raises ``refusal``. Forward-mode and vmap pass through (``jvp(grad)``, ``vmap(grad)``:
+    one reverse level). The one owner of "these gradients are first order" (``refuse_again``)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, refusal):
-        return x.view_as(x)
+    def forward(refusal, n, *args):
+        return tuple(g.view_as(g) for g in args[n:])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.refusal = inputs[1]
+        ctx.refusal, ctx.n = inputs[0], inputs[1]
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, *grads):
         raise NotImplementedError(ctx.refusal)
 
     @staticmethod
-    def jvp(ctx, t, _):
-        return t.view_as(t)
+    def jvp(ctx, _refusal, _n, *tangents):
+        return tuple(None if t is None else t.view_as(t) for t in tangents[ctx.n:])
+
+
+def refuse_again(refusal: str, deps, grads) -> list:
+    """``grads`` (None entries kept) as their values, raising ``refusal`` if differentiated again; ``deps``: tensors
+    they are made to depend on (the incoming cotangent, the state under a transform), so that the refusal is reached
+    only through a second reverse level. Uses: a create_graph=True gradient through a gather that divides
+    (``_traced``, the runtime), a torch.func gradient differentiated by autograd (``gather_bucket``, the runtime)."""
+    grads, deps = list(grads), list(deps)
+    at = [i for i, g in enumerate(grads) if g is not None]
+    if at:
+        for i, g in zip(at, _Refused.apply(refusal, len(deps), *deps, *(grads[i] for i in at))):
+            grads[i] = g
+    return grads
 
 
 def _not_again(refusal: str, g: torch.Tensor) -> torch.Tensor:
-    return _NotAgain.apply(g, refusal) if torch.is_grad_enabled() else g
+    """A gather's shard gradient, divided by the plan's factor or summed over replicas: reached where no transform
+    stack shows the two reverse levels to ``check_reverse_levels`` (plain autograd over a torch.func gradient: MAML's
+    meta-gradient by ``loss.backward()`` or ``funcshard.value_and_grad`` over an inner ``torch.func.grad``)."""
+    return refuse_again(refusal, (), (g,))[0] if torch.is_grad_enabled() else g
 
 
 def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -453,7 +467,7 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
-    if b.before * b.after != 1.0 or replicate is not None:  # (a gradient of these shards is first order: _NotAgain)
+    if b.before * b.after != 1.0 or replicate is not None:  # (a gradient of these shards is first order: _not_again)
         flat = _CotangentMap.apply(flat, functools.partial(
             _not_again, divided_twice(what, b.before * b.after, replicate is not None)))
     flat = scale_grad(flat, b.after)

@@ -58,6 +58,7 @@ import torch
 
 from funcshard._primitives import (
     Bucket,
+    refuse_again,
     all_reduce,
     bucket_param,
     check_backward_transforms,
@@ -207,8 +208,7 @@ class _Gather(torch.autograd.Function):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
         if create_graph and first_order:  # right values, refused if differentiated again
             refusal = divided_twice(_WHAT, b.before * b.after, b.replicate_group is not None)
-            for i, g in zip(reduced, _Divided.apply(refusal, grad, *(grads[i] for i in reduced))):
-                grads[i] = g
+            grads = refuse_again(refusal, (grad,), grads)
         return None, *grads
 
 
@@ -220,22 +220,6 @@ def _check_backward(grad: torch.Tensor) -> None:
     cotangents (plain autograd's is_grads_batched, a vmap around a plain-autograd backward)."""
     check_backward_transforms(_WHAT)
     check_batched_grads(_WHAT, (grad,))
-
-
-class _Divided(torch.autograd.Function):
-    """Shard gradients taken with create_graph=True through a gather that divides by the plan's factor or sums over
-    replicas: their values, and a backward that raises (``_primitives.divided_twice``). Depends on the incoming
-    gradient only to be differentiated exactly when it could be (an incoming gradient that does not require grad
-    depends on no parameter)."""
-
-    @staticmethod
-    def forward(ctx, refusal, dep, *pieces):
-        ctx.refusal = refusal
-        return tuple(p.view_as(p) for p in pieces)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(ctx.refusal)
 
 
 def _must_recompute(ctx, func, *args, **kwargs):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import check_backward_transforms, check_batched_grads
+from funcshard._primitives import check_backward_transforms, check_batched_grads, refuse_again
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
@@ -562,48 +562,20 @@ _SECOND_ORDER = (
 
 def _second_order_dep(cotangents) -> torch.Tensor | None:
     """In a plain-autograd backward with create_graph=True, an incoming cotangent that carries a graph (else None).
-    (torch.func.grad differentiates with create_graph=True too; what it returns leaves the transform unwrapped, and
-    a nested transform runs the traced path, not this runtime.)"""
+    (torch.func.grad differentiates with create_graph=True too: its gradients differentiated again below the transform
+    are ``_tracked_below``'s; a nested transform runs the traced path, not this runtime.)"""
     if not torch.is_grad_enabled() or get_interpreter_stack():
         return None
     return next((g for g in cotangents if g is not None and g.requires_grad), None)
 
 
-class _FirstOrderBelow(torch.autograd.Function):
-    """``_FirstOrder`` for the runtime's gradients under ``torch.func.grad``: at the transform's level, the values;
-    below it (plain autograd recording the transform, because the state under its wrappers requires grad: MAML's
-    meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad``), a node that depends on the state and raises
-    ``_SECOND_ORDER`` when differentiated. Before, those gradients were constants there: the second-order term was
-    silently missing."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(n, *args):
-        return tuple(g.view_as(g) for g in args[n:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(_SECOND_ORDER)
-
-    @staticmethod
-    def jvp(ctx, n, *tangents):
-        return tuple(t.view_as(t) if t is not None else None for t in tangents[n:])
-
-
 def _tracked_below(step, grads):
+    """The runtime's gradients under ``torch.func.grad``: below the transform (plain autograd recording it, because
+    the state under its wrappers requires grad: MAML's meta-gradient by ``loss.backward()`` over an inner
+    ``torch.func.grad``) they depend on the state and raise ``_SECOND_ORDER`` when differentiated; before, they were
+    constants there and the second-order term was silently missing."""
     deps = [t for t in step.state.values() if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
-    at = [i for i, g in enumerate(grads) if g is not None]
-    if not at or not deps:
-        return grads
-    grads = list(grads)
-    for i, g in zip(at, _FirstOrderBelow.apply(len(deps), *deps, *(grads[i] for i in at))):
-        grads[i] = g
-    return grads
+    return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
 
 
 def _base_requires_grad(t: torch.Tensor) -> bool:
@@ -614,26 +586,10 @@ def _base_requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
-class _FirstOrder(torch.autograd.Function):
-    """Shard gradients of a create_graph=True backward: their values, and a backward that raises ``_SECOND_ORDER``.
-    They depend on the incoming cotangent only so that they are differentiated exactly when a second-order term
-    could flow through them."""
-
-    @staticmethod
-    def forward(ctx, dep, *grads):
-        return tuple(g.view_as(g) for g in grads)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(_SECOND_ORDER)
-
-
 def first_order(dep: torch.Tensor | None, grads):
     """The runtime's shard gradients as returned to autograd: as they are, or (``dep``: a create_graph=True backward)
     wrapped so that differentiating them again raises instead of missing the terms through the gather."""
-    grads = list(grads)
-    if dep is None:
-        return grads
+    return list(grads) if dep is None else refuse_again(_SECOND_ORDER, (dep,), grads)
     at = [i for i, g in enumerate(grads) if g is not None]
     for i, g in zip(at, _FirstOrder.apply(dep, *(grads[i] for i in at)) if at else ()):
         grads[i] = g
