@@ -590,7 +590,3 @@ def first_order(dep: torch.Tensor | None, grads):
     """The runtime's shard gradients as returned to autograd: as they are, or (``dep``: a create_graph=True backward)
     wrapped so that differentiating them again raises instead of missing the terms through the gather."""
     return list(grads) if dep is None else refuse_again(_SECOND_ORDER, (dep,), grads)
-    at = [i for i, g in enumerate(grads) if g is not None]
-    for i, g in zip(at, _FirstOrder.apply(dep, *(grads[i] for i in at)) if at else ()):
-        grads[i] = g
-    return grads
