@@ -8,10 +8,10 @@ the meta device picks). A dispatch mode counts every storage the step allocates 
 
 The parameters are leaves made in their compute dtype (``param_dtype`` under mixed precision), so the step is the
 one the runtime runs on the unsharded views. As in the runtime, each group's parameters reach the module through one
-autograd node made when the group's forward starts (``_GroupNode``): its backward (the group's post-backward) runs
-where the runtime's gather node runs, with the group's gradients, which are dropped there (the reduce-scatter
-consumes them). Groups with frozen parameters also mark when the gradients of their forward's inputs are complete
-(the runtime's ``FrozenRelease`` frees them only then). Marks record where each group's forward and backward start
+autograd node made when the group's forward starts, the runtime's own gather node (``_TraceStep``): its backward (the
+group's post-backward) runs where the runtime's runs, with the group's gradients, which are dropped there (the
+reduce-scatter consumes them). Groups with frozen parameters also mark when the gradients of their forward's inputs
+are complete (the runtime's ``FrozenRelease`` frees them only then). Marks record where each group's forward and backward start
 and end, as the runtime's hooks see them, with the live bytes of activations (everything the step allocates but
 the parameters' gradients) and of gradients there, and each stretch between two marks keeps its peak and its ops'
 (FLOPs, bytes).
@@ -219,26 +219,51 @@ def _fake_inputs(mode, tree: Any, device: torch.device) -> Any:
     return torch_tree_map_only(torch.Tensor, lambda t: _fake_like(mode, t, device), tree)
 
 
-class _GroupNode(torch.autograd.Function):
-    """The runtime's gather node (``_runtime.strategies._GroupGather``) as the trace makes it: created when the
-    group's forward starts, so that autograd runs its backward where it runs the runtime's (once every gradient of
-    the group's parameters is complete, in the engine's order by creation: the root group's, made first, runs
-    last); it outputs aliases of the group's parameter leaves, those of frozen ones non-differentiable; its backward
-    is the group's post-backward (``done(grads)``)."""
+class _TraceStep:
+    """The step the runtime's gather node reads (``_runtime.strategies.gather_node``), for the traced step: the node
+    is the runtime's own, made when the group's forward starts, so that autograd runs its backward where it runs the
+    runtime's (once every gradient of the group's parameters is complete, in the engine's order by creation: the
+    root group's, made first, runs last); its outputs are aliases of the group's parameter leaves, those of frozen
+    ones non-differentiable, as the runtime's are. Per group a ``_TracedGroup`` is its run and its buffers;
+    ``nodes`` is the runtime's ``Nodes`` (the trace registers no pre-hook: the gradients come as autograd gives
+    them)."""
 
-    @staticmethod
-    def forward(ctx, done, *leaves):
-        ctx.done = done
-        outs = tuple(t.view_as(t) for t in leaves)
-        frozen = [o for o, t in zip(outs, leaves) if not t.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return outs
+    def __init__(self) -> None:
+        from funcshard._runtime.strategies import Nodes
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.done([g for g in grads if g is not None])
-        return (None, *(None for _ in grads))
+        self.runs: dict[str, _TracedGroup] = {}
+        self.groups = self.runs
+        self.nodes = Nodes(self)
+
+    def gather(self, name: str, leaves: list[torch.Tensor], done: Callable[[list], None]) -> tuple:
+        """The group's parameters as the outputs of its gather node; ``done(grads)``: its post-backward."""
+        from funcshard._runtime.strategies import gather_node
+
+        self.runs[name] = _TracedGroup(leaves, done)
+        return gather_node(self, name, None, *leaves)
+
+
+class _TracedGroup:
+    """A group of the traced step, as its gather node reads its run and buffers: ``wait`` (the leaves are unsharded
+    already), ``views`` (aliases of them), ``post_backward`` (its gradients, Nones dropped, to ``done``: the
+    runtime's reduce-scatter consumes them; the node returns no shard gradients), ``node`` (for ``Nodes``)."""
+
+    __slots__ = ("leaves", "done", "node")
+
+    def __init__(self, leaves: list[torch.Tensor], done: Callable[[list], None]):
+        from funcshard._runtime.strategies import NodeState
+
+        self.leaves, self.done, self.node = leaves, done, NodeState(None)
+
+    def wait(self) -> None:
+        pass
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in self.leaves)
+
+    def post_backward(self, grads: list) -> list:
+        self.done([g for g in grads if g is not None])
+        return [None] * len(grads)
 
 
 def _check_loss(value: Any, trainable: bool) -> None:
@@ -301,12 +326,14 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
         live.forget(grads)  # (the runtime's reduce-scatter consumes them: copied into its input, then dropped)
 
     originals: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
+    nodes = _TraceStep()
 
     def gather(g) -> None:
         """The group's node, its parameters put on the module (every alias of a tied one)."""
         if not g.params:
             return
-        outs = _GroupNode.apply(lambda grads, name=g.name: post_backward(grads, name), *(leaves[p] for p in g.params))
+        done = lambda grads, name=g.name: post_backward(grads, name)  # noqa: E731
+        outs = nodes.gather(g.name, [leaves[p] for p in g.params], done)
         for mod, attr, i in slots(plan, g):
             slot = param_slots(mod)
             originals.setdefault((id(mod), attr), (mod, slot[attr]))

@@ -293,6 +293,29 @@ def test_estimate_on_a_fake_mesh_reads_the_schedule(mesh8):
     assert "peak memory" in str(cost) and "all-gather: 8 per step" in str(cost)
 
 
+def test_the_trace_gathers_through_the_runtimes_node(mesh8):
+    """The traced step's gather node is the runtime's (``strategies.gather_node``): a parameter the forward does not
+    use gets no gradient there (``set_materialize_grads(False)``; the reduce-scatter reads it as zeros), so the
+    group's gradients at its post-backward are the used parameters' alone, not a full-size zero tensor beside them
+    (the trace's own node counted one)."""
+    from funcshard._cost_trace import BWD_END, profile_step
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.unused = nn.Linear(8, 8), nn.Linear(8, 64)
+
+        def forward(self, x):
+            return self.a(x)
+
+    with torch.device("meta"):
+        model = nn.Sequential(Unused(), nn.Linear(8, 8))
+    plan = funcshard.plan(model, mesh8, groups=(Unused,))
+    prof = profile_step(plan, (torch.empty(4, 8, device="meta"),), {}, lambda out: out.sum(), torch.device("cpu"))
+    (end,) = [m for m in prof.marks if m.kind == BWD_END and m.group == "0"]
+    assert end.grads == (8 * 8 + 8) * 4  # a's weight and bias, fp32
+
+
 def test_step_time_follows_the_overlap(mesh8):
     with torch.device("meta"):
         model = _Blocks()

@@ -78,10 +78,10 @@ class Nodes(Part):
         step = self.step
         shards = map(_unwrap_if_dead, [step.state[p] for p in step.groups[name].group.params])
         if _no_saved_hooks():  # autograd saves the outputs plainly
-            views = _apply(_GroupGatherEager, step, name, token, *shards)
+            views = gather_node(step, name, token, *shards)
         else:
             with _saving_views():
-                views = _apply(_GroupGatherEager, step, name, token, *shards)
+                views = gather_node(step, name, token, *shards)
         run = step.runs[name]
         run.slots.views = views
         node = next((v.grad_fn for v in views if v.grad_fn is not None), None)
@@ -145,7 +145,13 @@ def take_grads_hook(step: Step, name: str):
 class _GroupGather(torch.autograd.Function):
     """Sharded parameters of one group -> its unsharded parameters (views of the step's raw buffers).
     ``token``: the group's ``_Relay`` output (plain autograd in ``apply``), or None: the shard gradients are
-    returned here, after the reduce-scatter."""
+    returned here, after the reduce-scatter.
+
+    The one per-group gather Function: the runtime's forward (wait, the views), context and backward (the group's
+    post-backward) are written here once. ``_GroupGatherEager`` (made by ``_old_style``) is this class for plain
+    autograd, the same three bodies called from an old-style ``forward(ctx, ...)``; this new-style class is what
+    ``torch.func.jvp`` needs (``setup_context``, the ``jvp`` rule). The cost model's trace makes the same node
+    (``gather_node`` over its stand-in step, ``_cost_trace``), so its backward runs where the runtime's runs."""
 
     @staticmethod
     def forward(step: Step, name: str, token: torch.Tensor | None, *shards: torch.Tensor):
@@ -180,7 +186,9 @@ class _GroupGather(torch.autograd.Function):
 
 def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """The same Function with ``forward(ctx, ...)``: under plain autograd it skips the per-call
-    ``inspect.signature`` that new-style Functions (needed by torch.func) pay."""
+    ``inspect.signature`` that new-style Functions (needed by torch.func) pay. What only plain autograd needs is
+    added here: the outputs saved (``Nodes.saved_views``), those of shards that take no gradient marked
+    non-differentiable (under ``torch.func.jvp`` every output keeps its tangent)."""
 
     def forward(ctx, *inputs):
         out = fn.forward(*inputs)
@@ -199,11 +207,24 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 _GroupGatherEager = _old_style(_GroupGather)
 
 
+def gather_node(step: Any, name: str, token: torch.Tensor | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Group ``name``'s unsharded parameters as the outputs of a new plain-autograd gather node
+    (``_GroupGatherEager``), its backward the group's post-backward. ``step``: the runtime's ``Step``, or the cost
+    model's stand-in for one (``_cost_trace``: what the node reads of it is ``runs[name].wait()``,
+    ``runs[name].post_backward(grads)``, ``groups[name].views()`` and ``nodes.given_grads(name, grads)``)."""
+    return _apply(_GroupGatherEager, step, name, token, *shards)
+
+
 # ---- relays (apply under plain autograd) --------------------------------------------------------------------
 
 
 class _Relay(torch.autograd.Function):
-    """A group's trainable shards -> a scalar token, an input of the group's ``_GroupGather``."""
+    """A group's trainable shards -> a scalar token, an input of the group's ``_GroupGather``.
+
+    Not a gather (its output is a token, not parameters), so not merged into ``_GroupGather``: it is the shards'
+    gradient path under plain autograd. Made during the previous group's forward, autograd runs its backward after
+    that group's backward, so the group's reduce-scatter, issued by ``_GroupGather``'s backward, overlaps it; its
+    backward returns the reduce-scattered shards (``Relay.grads``)."""
 
     @staticmethod
     def forward(ctx, step: Step, name: str, index: tuple[int, ...], *shards: torch.Tensor):
@@ -473,7 +494,11 @@ def _param_grad_hook(ref, name: str, i: int):
 
 
 class _StepGather(torch.autograd.Function):
-    """All sharded parameters of a step -> its unsharded parameters (storage filled while a group is gathered)."""
+    """All sharded parameters of a step -> its unsharded parameters (storage filled while a group is gathered).
+
+    Not merged into ``_GroupGather``: under a torch.func grad transform each Function call costs ~1 ms
+    (functorch's ``custom_function_call``), so the step pays one for all its groups; its backward runs at the end of
+    backward, so the groups' post-backwards run from hooks on their views (``Fused.param_grad``), not from it."""
 
     @staticmethod
     def forward(step: Step, *shards: torch.Tensor):
