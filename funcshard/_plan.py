@@ -354,48 +354,54 @@ class Plan:
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
-        lines = [_header(self)]
-        step = schedule(self)
-        for g in self.groups:
-            nbytes = step.unsharded_nbytes(g.name)
-            dtypes = sorted({str(self.specs[p].dtype).removeprefix("torch.") for p in g.params})
-            lines.append(
-                f"  group {label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
-                f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}" + "".join(
-                    f", {k}={v}" for k, v in (("reshard_after_backward", g.reshard_after_backward),
-                                              ("unshard_in_backward", g.unshard_in_backward),
-                                              ("grad_divide_factor", g.grad_divide_factor),
-                                              ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
-                                              ("output_dtype", g.output_dtype),
-                                              ("cast_forward_inputs", g.cast_forward_inputs), ("comm", g.comm),
-                                              ("offload", ("cpu, pinned" if g.pin_memory else "cpu")
-                                               if g.offload_to_cpu else None))
-                    if v is not None and v is not True)
-            )
-            lines.extend(f"    {_described(self, p)}" for p in g.params)
-        lines.append("  one step:")
-        lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(self.mesh)}" for i, line in enumerate(step.lines(), 1))
-        lines += _owner_lines(self, len(step.ops))
-        totals = step.totals()
-        lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
-                     f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
-                     (f", all-reduce {totals['all-reduce'] / 2**20:.2f} MiB" if "all-reduce" in totals else ""))
-        if any(g.comm is not None for g in self.groups):
-            wire: dict[str, int] = {}
-            for c in step.collectives():
-                wire[c.kind] = wire.get(c.kind, 0) + wire_nbytes(self, c)
-            if wire:  # (none at world size 1: no collective runs)
-                lines.append("  moved by the groups' comm hooks: " + ", ".join(
-                    f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
-        copied = step.copy_totals()  # (CPU offload)
-        if copied:
-            lines.append("  copied between host and device (CPU offload), per step: " + ", ".join(
-                f"{k} {v / 2**20:.2f} MiB" for k, v in copied.items()))
-        kept = step.kept_after_forward()
-        lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
-                     f"(groups not resharded, or resharded to fewer ranks)")
-        lines += [f"  {line}" for s in self.owner_steps for line in s.lines()]  # (with_optimizer)
-        return "\n".join(lines)
+        return _printout(self)
+
+
+def _printout(plan: Plan) -> str:
+    """``str(plan)``: its header, the groups and their parameters, the step's collectives in order, the per-step
+    totals."""
+    lines = [_header(plan)]
+    step = schedule(plan)
+    for g in plan.groups:
+        nbytes = step.unsharded_nbytes(g.name)
+        dtypes = sorted({str(plan.specs[p].dtype).removeprefix("torch.") for p in g.params})
+        lines.append(
+            f"  group {label(g.name)}: {len(g.params)} params, {nbytes / 2**20:.2f} MiB unsharded, "
+            f"dtypes {dtypes}, reshard_after_forward={g.reshard_after_forward}" + "".join(
+                f", {k}={v}" for k, v in (("reshard_after_backward", g.reshard_after_backward),
+                                          ("unshard_in_backward", g.unshard_in_backward),
+                                          ("grad_divide_factor", g.grad_divide_factor),
+                                          ("param_dtype", g.param_dtype), ("reduce_dtype", g.reduce_dtype),
+                                          ("output_dtype", g.output_dtype),
+                                          ("cast_forward_inputs", g.cast_forward_inputs), ("comm", g.comm),
+                                          ("offload", ("cpu, pinned" if g.pin_memory else "cpu")
+                                           if g.offload_to_cpu else None))
+                if v is not None and v is not True)
+        )
+        lines.extend(f"    {_described(plan, p)}" for p in g.params)
+    lines.append("  one step:")
+    lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(plan.mesh)}" for i, line in enumerate(step.lines(), 1))
+    lines += _owner_lines(plan, len(step.ops))
+    totals = step.totals()
+    lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
+                 f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
+                 (f", all-reduce {totals['all-reduce'] / 2**20:.2f} MiB" if "all-reduce" in totals else ""))
+    if any(g.comm is not None for g in plan.groups):
+        wire: dict[str, int] = {}
+        for c in step.collectives():
+            wire[c.kind] = wire.get(c.kind, 0) + wire_nbytes(plan, c)
+        if wire:  # (none at world size 1: no collective runs)
+            lines.append("  moved by the groups' comm hooks: " + ", ".join(
+                f"{k} {v / 2**20:.2f} MiB" for k, v in wire.items()))
+    copied = step.copy_totals()  # (CPU offload)
+    if copied:
+        lines.append("  copied between host and device (CPU offload), per step: " + ", ".join(
+            f"{k} {v / 2**20:.2f} MiB" for k, v in copied.items()))
+    kept = step.kept_after_forward()
+    lines.append(f"  held between forward and backward, per rank: {kept / 2**20:.2f} MiB of unsharded parameters "
+                 f"(groups not resharded, or resharded to fewer ranks)")
+    lines += [f"  {line}" for s in plan.owner_steps for line in s.lines()]  # (with_optimizer)
+    return "\n".join(lines)
 
 
 def _described(plan: Plan, path: str) -> str:

@@ -5,6 +5,7 @@
     buffers.GroupBuffers    a group's unsharded buffers and gather state (SHARDED -> GATHERING -> GATHERED)
     binding.Slots           which tensor each parameter slot of a group holds (swap in / out, placeholders)
     binding.ForwardTracker  when a group's forward pass starts and ends (groups of one or several modules)
+    hooks                   a group module's forward hooks routed: this step's forward, a recomputation, or neither
     prefetch.Prefetcher     which groups to gather early; the order the forwards ran in
     strategies.Nodes/Relay/Fused   how a group's gather enters autograd (plain, relayed, whole-step)
     backward.ReduceQueue    the reduce-scatters in flight and where their shards go
@@ -19,10 +20,10 @@ that may raise one). ``apply`` is pure, so its state is untouched; ``fully_shard
 again.
 
 The Step itself keeps what spans groups (the order and prefetch, the reduce queue, the divergence checks) and routes
-module hooks and autograd hooks to the groups' runs; ``open_forward`` / ``close_forward`` wrap
+autograd hooks to the groups' runs (the module hooks: ``hooks``); ``open_forward`` / ``close_forward`` wrap
 ``apply``'s call of the module.
-``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``module_pre_forward`` /
-``module_post_forward`` / ``end_forward``) and receives gradients through a sink.
+``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``hooks.module_pre_forward`` /
+``hooks.module_post_forward`` / ``end_forward``) and receives gradients through a sink.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from funcshard._runtime.binding import ForwardTracker, NotGathered, Slots, prese
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.check import Checks
 from funcshard._runtime.group import GroupRun, single_grad_level
+from funcshard._runtime.hooks import make_post_hook, make_pre_hook
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
@@ -191,56 +193,6 @@ class Step:
     def begin_forward(self) -> None:
         self.in_forward = True
 
-    def module_pre_forward(self, name: str, module: Any, args: tuple, kwargs: dict | None = None
-                           ) -> tuple[tuple, dict] | None:
-        """A module of group ``name`` starts its forward. Returns new ``(args, kwargs)`` (or None: unchanged):
-        floating inputs cast to the group's ``param_dtype`` (``cast_forward_inputs``), inputs watched for a group
-        with frozen parameters."""
-        run = self.runs[name]
-        group = run.buffers.group
-        # (only this step's own forward and recomputation: its hooks outlive the forward until backward ends)
-        cast = (group.param_dtype is not None and group.cast_forward_inputs
-                and (self.in_forward or (_graph_task_id() != -1 and (self.recomputing() or self.recompute_nested))))
-        if cast:
-            args, kwargs = cast_floating(group.param_dtype, (args, kwargs or {}))
-        if self.in_forward:
-            first = name not in self.tracker.used
-            opened = self.tracker.enter(name)
-            if opened:
-                self.prefetcher.opened(name, [n for n in self.tracker.running if self.tracker.is_open(n)])
-            if (first or run.buffers.status is not Status.GATHERED  # first use, or again after a reshard
-                    or (torch.is_grad_enabled() and not run.node.views_grad)):  # or used under no_grad
-                run.gather_for_forward()
-            elif opened:  # used again, still gathered: its forward prefetch runs again as on its first use
-                self.prefetcher.after(name, backward=False)
-            run.swap_in()
-            watched = self.frozen.watch_inputs(name, args)
-            if watched is not None:
-                return watched, kwargs or {}
-        elif _graph_task_id() != -1:
-            if self.recomputing() or self.recompute_nested:  # activation-checkpoint recomputation in backward
-                self.recompute.run(name, args)
-            elif self.backward_started:
-                raise NotImplementedError(
-                    f"group {name!r} is recomputed inside a nested backward (an activation checkpoint inside a "
-                    f"reentrant one: torch.utils.checkpoint(..., use_reentrant=True) runs a backward of its own); "
-                    f"funcshard.apply supports reentrant checkpointing around or over whole groups, not nested in "
-                    f"another checkpointed region: use use_reentrant=False for the outer one")
-        return (args, kwargs) if cast else None
-
-    def module_post_forward(self, name: str, module: Any, output: Any) -> Any:
-        """A module of group ``name`` finished its forward. Returns the output (hooked for backward, then cast to
-        the group's ``output_dtype``)."""
-        if self.in_forward:
-            run = self.runs[name]
-            output = run.post_forward(output) if self.tracker.exit(name, module) else run.wrap_for_backward(output)
-        elif self.recomputing():  # recomputation: the group stays gathered until its post-backward
-            self.runs[name].swap_out()
-        elif not (self.recompute_nested and _graph_task_id() != -1):
-            return output  # (another call of the module while this step's hooks live: not this step's)
-        dtype = self.groups[name].group.output_dtype
-        return output if dtype is None else cast_floating(dtype, output)
-
     @failing
     def end_forward(self) -> None:
         """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
@@ -323,7 +275,7 @@ class Step:
         # spanning several groups needs each of them gathered again.
         handles = self.hook_handles
         for g in plan.groups[1:]:
-            pre, post = _make_pre_hook(self, g.name), _make_post_hook(self, g.name)
+            pre, post = make_pre_hook(self, g.name), make_post_hook(self, g.name)
             for path in g.modules:
                 mod = plan.module.get_submodule(path)
                 handles.append(mod.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
@@ -426,31 +378,3 @@ def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-
-
-def _make_pre_hook(step: Step, name: str):
-    ref = weakref.ref(step)  # the hooks outlive the forward; the module must not keep the step alive
-
-    def pre_hook(module, args, *kwargs):
-        step = ref()
-        if step is None:
-            return None
-        if not kwargs:  # (torch calls a hook removed while the module's hooks run without kwargs: args only)
-            new = step.module_pre_forward(name, module, args, {})
-            return None if new is None else new[0]
-        return step.module_pre_forward(name, module, args, kwargs[0])
-
-    return runtime_boundary(pre_hook)
-
-
-def _make_post_hook(step: Step, name: str):
-    ref = weakref.ref(step)
-
-    def post_hook(module, args, output):
-        step = ref()
-        if step is None:
-            return None
-        out = step.module_post_forward(name, module, output)
-        return None if out is output else out
-
-    return runtime_boundary(post_hook)
