@@ -34,8 +34,8 @@ from funcshard._spec import ShardSpec, reduced, takes_grad
 if TYPE_CHECKING:
     from funcshard._plan import Plan
 
-__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "passes", "reduce_scatter_depth",
-           "schedule"]
+__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "frees_listed", "passes",
+           "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -48,6 +48,26 @@ HOST_TO_DEVICE, DEVICE_TO_HOST = "host-to-device", "device-to-host"  # CPU offlo
 def label(name: str) -> str:
     """A group's printed name: ``<root>`` for the root group (named ``""``)."""
     return "<root>" if name == "" else name
+
+
+POST_BACKWARD, END_OF_BACKWARD = "post-backward", "end of backward"  # where a reduce-scatter runs (reduce_scatter_at)
+
+
+def frees_listed(group) -> bool:
+    """Whether the step lists the group's free after forward as an op (``free``): a group with parameters, and the
+    root; a group without parameters holds nothing, so its free is no line (the runtime frees it all the same). Its
+    free after backward is its reduce-scatter's line. The rule ``_build`` and the cost model's replay both read."""
+    return group.is_root or bool(group.params)
+
+
+def reduce_scatter_at(group) -> str | None:
+    """Where backward issues the group's reduce-scatter: ``POST_BACKWARD``, once its gradients are complete (a group
+    with parameters); ``END_OF_BACKWARD``, after every other group's (the root with parameters: its gather node is
+    made first in forward, so autograd runs it last); None for a group without parameters (none is issued). The rule
+    ``_build`` and the cost model's replay both read."""
+    if not group.params:
+        return None
+    return END_OF_BACKWARD if group.is_root else POST_BACKWARD
 
 
 def bucket_sizes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | None = None
@@ -401,9 +421,9 @@ def _build(plan: Plan) -> Schedule:
             ag(name, "")
             for p in plan.prefetch_after(name):
                 ag(p, f"prefetch, while {label(name)} computes")
-        elif g.reshard_after_forward and name not in empty:
+        elif g.reshard_after_forward and frees_listed(g):
             free_after_forward(g)
-    if root.reshard_after_forward:
+    if root.reshard_after_forward and frees_listed(root):
         free_after_forward(root)
     ops.append(Op(BACKWARD))
 
@@ -411,7 +431,7 @@ def _build(plan: Plan) -> Schedule:
         return "" if g.reshard_after_backward else "keep it gathered (reshard_after_backward=False)"
 
     def reduce_scatter(g) -> None:
-        if g.name not in empty:
+        if reduce_scatter_at(g) is not None:
             ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
             if grads_back.get(g.name):
                 copies.append(HostCopy(DEVICE_TO_HOST, g.name, "gradients", grads_back[g.name]))
@@ -431,7 +451,9 @@ def _build(plan: Plan) -> Schedule:
             inside.append(g.name)
     while inside:
         reduce_scatter(plan.group(inside.pop()))
-    reduce_scatter(root)
+    for g in plan.groups:  # (the root's)
+        if reduce_scatter_at(g) == END_OF_BACKWARD:
+            reduce_scatter(g)
     kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
                  for g in plan.groups)
     return Schedule(tuple(ops), tuple((g.name, _unsharded_nbytes(specs[g.name], g.param_dtype)) for g in plan.groups),

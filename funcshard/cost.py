@@ -52,8 +52,9 @@ from funcshard._cost_trace import (
 )
 from funcshard._plan import ROOT, Plan
 from funcshard._runtime.buffers import Status
-from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, FREE, HOST_TO_DEVICE, REDUCE_SCATTER,
-                                 Collective, HostCopy, Op, label, schedule)
+from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, END_OF_BACKWARD, FREE,
+                                 HOST_TO_DEVICE, POST_BACKWARD, REDUCE_SCATTER, Collective, HostCopy, Op, frees_listed,
+                                 label, reduce_scatter_at, schedule)
 from funcshard._spec import ShardingError, takes_grad
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs",
@@ -380,7 +381,6 @@ class _Replay:
         self.step = schedule(plan)
         self.ops = _Ops(self.step.ops)
         self.flat = plan.layout == "flat"
-        self.empty = {g.name for g in plan.groups if not g.params}
         self.sharded = sum(s.local_numel * s.dtype.itemsize for s in plan.specs.values())
         self.runtime = ReplayStep(plan, self, prof.frozen, prof.trainable)
         self.gb = self.runtime.groups  # the groups' stand-ins: status (Status), the bytes kept after forward
@@ -465,9 +465,8 @@ class _Replay:
             del self.ag_held[name]
 
     def freed(self, name: str) -> None:
-        """``GroupBuffers.free``; in forward, the schedule's free (none for a group without parameters but the
-        root)."""
-        if not self.runtime.backward_started and (name == ROOT or name not in self.empty):
+        """``GroupBuffers.free``; in forward, the schedule's free when it lists one (``frees_listed``)."""
+        if not self.runtime.backward_started and frees_listed(self.gb[name].group):
             self.ops.take(FREE, name)
         self.unsharded.pop(name, None)
         self.events.append(("freed", name))
@@ -513,8 +512,7 @@ class _Replay:
         """Run ``fn`` (the runtime's free rule of the moment); a point if it freed the group."""
         was = self.gb[name].status
         fn()
-        if was is not Status.SHARDED and self.gb[name].status is Status.SHARDED and (
-                name == ROOT or name not in self.empty):
+        if was is not Status.SHARDED and self.gb[name].status is Status.SHARDED and frees_listed(self.gb[name].group):
             self.at(what)
 
     def mark(self, i: int) -> None:
@@ -535,7 +533,7 @@ class _Replay:
             rt.backward_started = True
             self.use(name, backward=True)
         elif m.kind == BWD_END:
-            if name != ROOT and name not in self.empty:
+            if reduce_scatter_at(self.gb[name].group) == POST_BACKWARD:
                 rt.post_backward(name)
         elif m.kind == INPUTS_DONE:
             self.freeing(name, lambda: rt.frozen.inputs_done(name),
@@ -547,20 +545,21 @@ class _Replay:
             self.run(self.hw.stretch_s(st), f"{m.kind.split()[0]} {label(name)}")
 
     def replay(self) -> None:
-        root = self.plan.groups[0]
         marks = self.prof.marks
         rt = self.runtime
         for i, m in enumerate(marks):
             if m.kind == BWD_END and m.group == ROOT:
-                continue  # the root's reduce-scatter comes last: below
+                continue  # (the end of backward: below)
             self.mark(i)
         rt.backward_started = True
-        if root.name not in self.empty:  # the root group's reduce-scatter, then end_of_backward
+        last = [name for name, gb in self.gb.items() if reduce_scatter_at(gb.group) == END_OF_BACKWARD]
+        if last:  # the reduce-scatters after every other group's (the root's), then end_of_backward
             done = [i for i, m in enumerate(marks) if m.kind == BWD_END and m.group == ROOT]
             if done:
                 m = marks[done[0]]
                 self.act, self.grads = self.prof.input_bytes + m.activations, m.grads
-            rt.post_backward(ROOT)
+            for name in last:
+                rt.post_backward(name)
             if done:
                 st = self.prof.stretches[done[0]]
                 self.at("after the root's reduce-scatter", {"activations": st.peak - m.activations - m.grads})
