@@ -11,10 +11,10 @@ one the runtime runs on the unsharded views. As in the runtime, each group's par
 autograd node made when the group's forward starts, the runtime's own gather node (``_TraceStep``): its backward (the
 group's post-backward) runs where the runtime's runs, with the group's gradients, which are dropped there (the
 reduce-scatter consumes them). Groups with frozen parameters also mark when the gradients of their forward's inputs
-are complete (the runtime's ``FrozenRelease`` frees them only then). Marks record where each group's forward and backward start
-and end, as the runtime's hooks see them, with the live bytes of activations (everything the step allocates but
-the parameters' gradients) and of gradients there, and each stretch between two marks keeps its peak and its ops'
-(FLOPs, bytes).
+are complete (the runtime's ``FrozenRelease`` frees them only then). Marks record where each group's forward and
+backward start and end, as the runtime's hooks see them, with the live bytes of activations (everything the step
+allocates but the parameters' gradients) and of gradients there, and each stretch between two marks keeps its peak
+and its ops' (FLOPs, bytes).
 
 :func:`profile_update` runs an optimizer's ``init`` and ``update`` (and ``apply_updates``) on fake shards: the
 optimizer state's bytes and the update's transient peak.
