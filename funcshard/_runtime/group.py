@@ -9,7 +9,7 @@ and after backward, and its gradients' reduce-scatter. Every gather and free of 
 ``node`` (its ``_GroupGather`` node, for ``Nodes``), ``fused`` (its part of the whole-step gather, for ``Fused``),
 ``counts`` (frozen-parameter release, for ``FrozenRelease``) and ``hook`` (the pre-backward hook on its outputs): the
 parts act on these and keep no per-group state of their own. What spans groups stays with the ``Step``: the order
-and prefetch, the reduce queue, the divergence checks, the routing of module and autograd hooks.
+and prefetch, the reduce queue, the divergence checks, the routing of autograd hooks (of module hooks: ``hooks``).
 """
 
 from __future__ import annotations
