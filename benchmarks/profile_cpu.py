@@ -149,7 +149,6 @@ def install_phase_wrappers() -> None:
     # funcshard
     from funcshard._runtime import backward as _rt_backward
     from funcshard._runtime import buffers as _rt_buffers
-    from funcshard._runtime import hooks as _rt_hooks
     from funcshard._runtime import strategies as _rt_strategies
 
     _patch(_rt_buffers, "start_gather", COPY_IN)
@@ -167,8 +166,6 @@ def install_phase_wrappers() -> None:
         _patch(_runtime.Step, m, RUNTIME)
         if m != "pre_backward":  # (Step.pre_backward routes to the run's: timed once)
             _patch(_runtime.GroupRun, m, RUNTIME)
-    for m in ("module_pre_forward", "module_post_forward"):  # (the module hooks' routing: functions of _runtime.hooks)
-        _patch(_rt_hooks, m, RUNTIME)
     _patch(_rt_buffers.GroupBuffers, "allocate", RUNTIME)
     _patch(_runtime.Step, "__init__", SETUP)
     _patch(_apply, "check_state", SETUP)

@@ -1,7 +1,8 @@
 """A group module's forward hooks routed to the step: its own forward, a recomputation in its backward, or neither.
 
-``module_pre_forward`` and ``module_post_forward`` are what the hooks call: ``apply``'s (``make_pre_hook`` /
-``make_post_hook``, registered by ``Step.open_forward``) and ``fully_shard``'s (``fsdp._api``). In the step's forward a
+``module_pre_forward`` and ``module_post_forward`` are what the hooks call, as the step's methods
+(``Step.module_pre_forward``, ``Step.module_post_forward``): ``apply``'s (registered by ``Step.open_forward``) and
+``fully_shard``'s (``fsdp._api``). In the step's forward a
 group's pass opens and closes (``ForwardTracker``) and its run gathers, swaps in, frees and hooks its outputs
 (``GroupRun.gather_for_forward``, ``GroupRun.post_forward``); inside the step's backward a module call is an
 activation-checkpoint recomputation (``Recompute``); any other call is not the step's. Floating inputs and outputs are
@@ -10,13 +11,11 @@ cast as the group's precision says in the step's forward and recomputation.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from funcshard._compat import current_graph_task_id
-from funcshard._compile import runtime_boundary
 from funcshard._policy import cast_floating
 from funcshard._runtime.buffers import Status
 
@@ -76,31 +75,3 @@ def module_post_forward(step: Step, name: str, module: Any, output: Any) -> Any:
         return output  # (another call of the module while this step's hooks live: not this step's)
     dtype = step.groups[name].group.output_dtype
     return output if dtype is None else cast_floating(dtype, output)
-
-
-def make_pre_hook(step: Step, name: str):
-    ref = weakref.ref(step)  # the hooks outlive the forward; the module must not keep the step alive
-
-    def pre_hook(module, args, *kwargs):
-        step = ref()
-        if step is None:
-            return None
-        if not kwargs:  # (torch calls a hook removed while the module's hooks run without kwargs: args only)
-            new = module_pre_forward(step, name, module, args, {})
-            return None if new is None else new[0]
-        return module_pre_forward(step, name, module, args, kwargs[0])
-
-    return runtime_boundary(pre_hook)
-
-
-def make_post_hook(step: Step, name: str):
-    ref = weakref.ref(step)
-
-    def post_hook(module, args, output):
-        step = ref()
-        if step is None:
-            return None
-        out = module_post_forward(step, name, module, output)
-        return None if out is output else out
-
-    return runtime_boundary(post_hook)

@@ -20,10 +20,10 @@ that may raise one). ``apply`` is pure, so its state is untouched; ``fully_shard
 again.
 
 The Step itself keeps what spans groups (the order and prefetch, the reduce queue, the divergence checks) and routes
-autograd hooks to the groups' runs (the module hooks: ``hooks``); ``open_forward`` / ``close_forward`` wrap
+module hooks and autograd hooks to the groups' runs; ``open_forward`` / ``close_forward`` wrap
 ``apply``'s call of the module.
-``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``hooks.module_pre_forward`` /
-``hooks.module_post_forward`` / ``end_forward``) and receives gradients through a sink.
+``fully_shard`` drives the same Step from its module hooks (``begin_forward`` / ``module_pre_forward`` /
+``module_post_forward`` / ``end_forward``) and receives gradients through a sink.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from funcshard._runtime.binding import ForwardTracker, NotGathered, Slots, prese
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.check import Checks
 from funcshard._runtime.group import GroupRun, single_grad_level
-from funcshard._runtime.hooks import make_post_hook, make_pre_hook
+from funcshard._runtime.hooks import module_post_forward, module_pre_forward
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
 from funcshard._runtime.strategies import Fused, Nodes, Relay
@@ -193,6 +193,11 @@ class Step:
     def begin_forward(self) -> None:
         self.in_forward = True
 
+    # a module hook of a group, routed (this step's forward, a recomputation in its backward, or neither): written in
+    # ``_runtime.hooks``, called as the step's methods by apply's hooks (below) and fully_shard's (``fsdp._api``)
+    module_pre_forward = module_pre_forward
+    module_post_forward = module_post_forward
+
     @failing
     def end_forward(self) -> None:
         """Groups whose modules did not all run finish now; prefetched groups the forward never used are freed."""
@@ -275,7 +280,7 @@ class Step:
         # spanning several groups needs each of them gathered again.
         handles = self.hook_handles
         for g in plan.groups[1:]:
-            pre, post = make_pre_hook(self, g.name), make_post_hook(self, g.name)
+            pre, post = _make_pre_hook(self, g.name), _make_post_hook(self, g.name)
             for path in g.modules:
                 mod = plan.module.get_submodule(path)
                 handles.append(mod.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
@@ -378,3 +383,31 @@ def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+def _make_pre_hook(step: Step, name: str):
+    ref = weakref.ref(step)  # the hooks outlive the forward; the module must not keep the step alive
+
+    def pre_hook(module, args, *kwargs):
+        step = ref()
+        if step is None:
+            return None
+        if not kwargs:  # (torch calls a hook removed while the module's hooks run without kwargs: args only)
+            new = step.module_pre_forward(name, module, args, {})
+            return None if new is None else new[0]
+        return step.module_pre_forward(name, module, args, kwargs[0])
+
+    return runtime_boundary(pre_hook)
+
+
+def _make_post_hook(step: Step, name: str):
+    ref = weakref.ref(step)
+
+    def post_hook(module, args, output):
+        step = ref()
+        if step is None:
+            return None
+        out = step.module_post_forward(name, module, output)
+        return None if out is output else out
+
+    return runtime_boundary(post_hook)

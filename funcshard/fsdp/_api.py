@@ -2,7 +2,7 @@
 
 ``fully_shard`` shards a unit's parameters at once (``make_spec``, ``ShardSpec.local_shard``) and registers each
 as a DTensor ``nn.Parameter`` whose local tensor is the unpadded view of its padded shard. The module hooks hand
-each forward to the root's runtime Step (``_runtime.hooks.module_pre_forward`` / ``module_post_forward``); the ``set_*``
+each forward to the root's runtime Step (``Step.module_pre_forward`` / ``module_post_forward``); the ``set_*``
 methods change unit settings, which become Plan edits at the next iteration (``_units``).
 """
 
@@ -46,7 +46,7 @@ from funcshard._policy import (
     check_mp_policy,
     resolve_reshard_after_forward,
 )
-from funcshard._runtime import Step, hooks
+from funcshard._runtime import Step
 from funcshard._spec import dim_range, make_spec
 from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
@@ -111,7 +111,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
     name = unit.group
     if _in_backward():  # activation-checkpoint recomputation
         if name is not None and (step := ctx.backward_step()) is not None:
-            return hooks.module_pre_forward(step, name, module, args, kwargs)
+            return step.module_pre_forward(name, module, args, kwargs)
         return _cast_inputs(unit, args, kwargs)
     moved = None
     if ctx.fwd_root is not None and ctx.step is not None and ctx.step.failed is not None:
@@ -124,7 +124,7 @@ def _pre_forward(unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> t
             device = device_of(unit.mesh, "fully_shard")
             moved = module_io_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
     if name is not None:
-        new = hooks.module_pre_forward(ctx.step, name, module, *(moved if moved is not None else (args, kwargs)))
+        new = ctx.step.module_pre_forward(name, module, *(moved if moved is not None else (args, kwargs)))
     else:  # a unit without parameters of its own: no group, but its policy's casts apply (as in FSDP2)
         new = _cast_inputs(unit, *(moved if moved is not None else (args, kwargs)))
     return new if new is not None else moved
@@ -146,7 +146,7 @@ def _post_forward(unit: _Unit, module: nn.Module, args: Any, output: Any) -> Any
     step, name = ctx.step, unit.group
     if name is not None:
         in_forward = step.in_forward
-        output = hooks.module_post_forward(step, name, module, output)
+        output = step.module_post_forward(name, module, output)
         if in_forward and not step.tracker.is_open(name):
             # a group left gathered after its forward (reshard_after_forward=False; the root by default) shows its
             # unsharded parameters on the module until it is resharded, as FSDP2 registers them
