@@ -32,7 +32,7 @@ from funcshard._policy import compute_dtype, reduce_dtype_of
 from funcshard._spec import ShardSpec, reduced, takes_grad
 
 if TYPE_CHECKING:
-    from funcshard._plan import Plan
+    from funcshard._plan import Group, Plan
 
 __all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "frees_listed", "passes",
            "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
@@ -53,14 +53,14 @@ def label(name: str) -> str:
 POST_BACKWARD, END_OF_BACKWARD = "post-backward", "end of backward"  # where a reduce-scatter runs (reduce_scatter_at)
 
 
-def frees_listed(group) -> bool:
+def frees_listed(group: Group) -> bool:
     """Whether the step lists the group's free after forward as an op (``free``): a group with parameters, and the
     root; a group without parameters holds nothing, so its free is no line (the runtime frees it all the same). Its
     free after backward is its reduce-scatter's line. The rule ``_build`` and the cost model's replay both read."""
     return group.is_root or bool(group.params)
 
 
-def reduce_scatter_at(group) -> str | None:
+def reduce_scatter_at(group: Group) -> str | None:
     """Where backward issues the group's reduce-scatter: ``POST_BACKWARD``, once its gradients are complete (a group
     with parameters); ``END_OF_BACKWARD``, after every other group's (the root with parameters: its gather node is
     made first in forward, so autograd runs it last); None for a group without parameters (none is issued). The rule

@@ -2,11 +2,11 @@
 
 ``module_pre_forward`` and ``module_post_forward`` are what the hooks call, as the step's methods
 (``Step.module_pre_forward``, ``Step.module_post_forward``): ``apply``'s (registered by ``Step.open_forward``) and
-``fully_shard``'s (``fsdp._api``). In the step's forward a
-group's pass opens and closes (``ForwardTracker``) and its run gathers, swaps in, frees and hooks its outputs
-(``GroupRun.gather_for_forward``, ``GroupRun.post_forward``); inside the step's backward a module call is an
-activation-checkpoint recomputation (``Recompute``); any other call is not the step's. Floating inputs and outputs are
-cast as the group's precision says in the step's forward and recomputation.
+``fully_shard``'s (``fsdp._api``). In the step's forward a group's pass opens and closes (``ForwardTracker``) and its
+run gathers, swaps in, frees and hooks its outputs (``GroupRun.gather_for_forward``, ``GroupRun.post_forward``);
+inside the step's backward a module call is an activation-checkpoint recomputation (``Recompute``); any other call is
+not the step's. Floating inputs and outputs are cast as the group's precision says in the step's forward and
+recomputation.
 """
 
 from __future__ import annotations
