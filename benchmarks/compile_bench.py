@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -214,8 +213,7 @@ def _profile_job(model, steps, backend):
     import torch
     import torch._dynamo
     import torch.distributed as dist
-    from torch._dynamo.backends.registry import lookup_backend
-    from torch._dynamo.utils import counters
+    from test_compile import Graphs  # (tests/ is on the path: dynamo's graphs, their ops and breaks)
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -223,12 +221,10 @@ def _profile_job(model, steps, backend):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x, y = S.batch(cfg, dist.get_rank(), dist.get_world_size(), "cpu")
     torch._dynamo.reset()
-    counters.clear()
-    inner, graphs, calls = lookup_backend(backend), [], [0]
+    graphs, calls = Graphs(backend), [0]
 
     def counting(gm, example_inputs):
-        graphs.append(sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes))
-        compiled = inner(gm, example_inputs)
+        compiled = graphs(gm, example_inputs)
 
         def run(*args):
             calls[0] += 1
@@ -257,13 +253,9 @@ def _profile_job(model, steps, backend):
     calls_per_step = calls[0] / steps
     dist.barrier()
     buckets = {name: _profiled_step(system) for name, system in (("eager", eager), ("compiled", comp))}
-    breaks = {}
-    for reason, n in counters["graph_break"].items():
-        m = re.search(r"Skip calling function `<function (\S+) at", reason)
-        key = m.group(1).rpartition(".")[2] if m else reason.splitlines()[0]
-        breaks[key] = breaks.get(key, 0) + n
-    out = {"first_s": first, "loss0": (eager_loss0, loss0), "graphs": graphs, "calls_per_step": calls_per_step,
-           "breaks": breaks, "recompiles": sum(counters["recompiles"].values()),
+    counters = graphs.counters
+    out = {"first_s": first, "loss0": (eager_loss0, loss0), "graphs": graphs.ops, "calls_per_step": calls_per_step,
+           "breaks": graphs.breaks(), "recompiles": sum(counters["recompiles"].values()),
            "stats": dict(counters["stats"]), "frames": dict(counters["frames"]),
            "wall_ms": {k: [1e3 * v for v in w] for k, (w, _) in rows.items()},
            "cpu_ms": {k: [1e3 * v for v in c] for k, (_, c) in rows.items()}, "buckets": buckets}
