@@ -302,7 +302,7 @@ def main():
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="issue 36's profile of a compiled apply step (see above)")
+    ap.add_argument("--profile", action="store_true", help="issue 36: where a compiled apply step's time goes (the module docstring)")
     a = ap.parse_args()
     from multirank import run_ranks
 
