@@ -1,13 +1,15 @@
 """Main-thread CPU time per step of several funcshard trees, paired in one run (issue 36: bisecting per-group cost).
 
 One worker process per tree (``PYTHONPATH=<tree>``: that tree's ``funcshard``; this file's ``systems.py`` builds the
-systems in every worker), all on torch's fake process group (one process, collectives do nothing: what is measured
-is each system's own Python, hook and copy work). The driver interleaves them: each round, every (tree, system)
+systems in every worker), on torch's fake process group (one process, collectives do nothing: what is measured is
+each system's own Python, hook and copy work), or with ``--gloo`` as W gloo ranks per tree (rank 0 timed; its wall
+time per step printed too). The driver interleaves them: each round, every (tree, system)
 runs ``--steps`` steps in turn (the order rotated per round), timed by ``time.thread_time`` in the worker; the
 median over ``--rounds`` rounds per (tree, system) is printed, with FSDP2 (run in the first tree's worker) as the
 reference. Only one worker computes at a time.
 
     nice python benchmarks/bisect_cpu.py --trees /tmp/bis_577469a /work/main --groups 13 --world 4
+    nice python benchmarks/bisect_cpu.py --gloo --world 2 --groups 33 --trees /tmp/bis_<sha> .   # ~5 min loaded
     git worktree add /tmp/bis_<sha> <sha>     # an old commit's tree
 
 Prints ms per step, the ratio to FSDP2's step, the overhead per group ((system - unsharded) / groups, as bench.py's
@@ -82,6 +84,8 @@ def main() -> None:
     if a.worker:
         worker(a.groups, a.world, a.systems, a.gloo)
         return
+    if not a.trees:
+        ap.error("--trees: one or more source trees (the first also runs FSDP2 and the unsharded step)")
     procs = {}
     for i, t in enumerate(a.trees):
         names = a.systems + (["fsdp2", "unsharded"] if i == 0 else [])

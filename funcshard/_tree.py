@@ -41,7 +41,8 @@ def tree_flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
         if hit is not None and set(map(type, tree.values())) <= _PLAIN:
             return [tree[k] for k in hit[0]], hit[1]
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
-    if type(tree) is dict and set(map(type, tree.values())) <= _PLAIN and all(type(k) is str for k in keys):
+    if (type(tree) is dict and len(leaves) == len(tree) and set(map(type, tree.values())) <= _PLAIN
+            and all(type(k) is str for k in keys)):
         # (its values themselves each a leaf; str keys: no other key compares equal to them, as 1 == 1.0 does)
         if len(_FLAT) >= 256:
             _FLAT.clear()
