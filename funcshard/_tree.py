@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
+import torch
 
 from funcshard._compat import torch_tree_leaves, torch_tree_map_only
 
@@ -32,8 +33,27 @@ TreeSpec = optree.PyTreeSpec
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
-    """(leaves, spec)."""
-    return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+    """(leaves, spec). A plain dict of plain tensors (a state, its gradients, updates, moments: flattened several
+    times per optimizer step) takes its key order and spec from ``_FLAT``, made by optree the first time those keys
+    come in that order (optree took ~1.1 us per tensor leaf: ~0.36 ms for a 324-tensor state)."""
+    if type(tree) is dict:
+        hit = _FLAT.get(keys := tuple(tree))
+        if hit is not None and set(map(type, tree.values())) <= _PLAIN:
+            return [tree[k] for k in hit[0]], hit[1]
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+    if (type(tree) is dict and len(leaves) == len(tree) and set(map(type, tree.values())) <= _PLAIN
+            and all(type(k) is str for k in keys)):
+        # (its values themselves each a leaf; str keys: no other key compares equal to them, as 1 == 1.0 does)
+        if len(_FLAT) >= 256:
+            _FLAT.clear()
+        _FLAT[keys] = [p[0] for p in optree.tree_paths(tree, none_is_leaf=False, namespace=NAMESPACE)], spec
+    return leaves, spec
+
+
+# a plain dict's str keys in insertion order -> (its keys in leaf order, its spec), for dicts whose values are all
+# leaves of these types (optree's for them whatever the keys' values: nothing is registered for a tensor)
+_FLAT: dict[tuple, tuple[list, TreeSpec]] = {}
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], TreeSpec]:

@@ -728,3 +728,24 @@ def test_optimizer_state_loads_with_torch_load_defaults(tmp_path):
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                    for a, b in zip(optree.tree_leaves(back, namespace="funcshard"),
                                    optree.tree_leaves(state, namespace="funcshard")))
+
+
+def test_tree_flatten_of_a_dict_of_tensors_is_optrees():
+    """funcshard._tree.tree_flatten's cached key order for a plain dict of plain tensors: the same leaves and spec as
+    optree's, whatever the insertion order, and optree's own answer when a value is None or not a plain tensor."""
+    from funcshard import _tree
+
+    class Sub(torch.Tensor):
+        pass
+
+    base = {f"b.{i}.w": torch.randn(2) for i in (3, 1, 2)} | {"a": torch.nn.Parameter(torch.randn(1))}
+    sub = torch.ones(1).as_subclass(Sub)
+    for d in ({"x": [torch.ones(1)]}, {"x": torch.ones(1)}, base, dict(reversed(list(base.items()))),
+              base | {"b.1.w": None}, base | {"a": sub}, {"x": {"y": torch.ones(1)}}, {}, {1: torch.ones(1)},
+              {1.0: torch.ones(1)}):  # (a list first: one leaf)
+        want = optree.tree_flatten(d, none_is_leaf=False, namespace=_tree.NAMESPACE)
+        for _ in range(2):  # (the second from the cache)
+            leaves, spec = _tree.tree_flatten(d)
+            assert spec == want[1] and len(leaves) == len(want[0])
+            assert list(map(repr, optree.tree_unflatten(spec, leaves))) == list(map(repr, d))
+            assert all(a is b for a, b in zip(leaves, want[0]))
