@@ -1,0 +1,218 @@
+"""Saved views of a group's unsharded parameters: gathered again when autograd unpacks them (``SavedViews``).
+
+A group freed after forward is gathered again by the pre-backward hook on its outputs. A backward that reaches the
+group's operations without passing through those outputs never fires it: a loss taken only from an activation inside
+the group, or a forward run under ``torch.func.jvp`` and differentiated by ``.backward()`` (the hook sits on the
+transform's wrapper, not on the tensor the backward runs through). Autograd would then read a view of the freed
+storage ("setStorage ... out of bounds for storage of size 0"; FSDP2 fails the same way). So, while a step's forward
+runs (``apply``'s, not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its
+forward), saved-tensor hooks mark what autograd saves that aliases a group's unsharded buffers, and unpacking such a
+tensor runs the group's pre-backward first when the group is not gathered (a no-op in an ordinary backward, where the
+output hook already ran: its schedule and collectives are unchanged). The caller's own saved-tensor hooks (e.g.
+``save_on_cpu``) still get every other tensor.
+
+Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there (``hook_owners``) a gradient hook on the
+outputs of each module owning a group's parameters does the same when a backward reaches that module (a tensor taken
+from inside such a module's forward, not its output, is not covered: docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from funcshard._compat import (TransformType, current_graph_task_id, get_interpreter_stack, storage_key,
+                               top_saved_tensors_default_hooks)
+from funcshard._compile import runtime_boundary
+from funcshard._runtime.backward import grad_inputs
+from funcshard._runtime.buffers import Status
+
+if TYPE_CHECKING:
+    from funcshard._runtime.step import Step
+
+
+class _Aliased:
+    """A saved tensor that aliases group ``name``'s unsharded storage in the step ``ref`` names (what the pack hook
+    returns for it)."""
+
+    __slots__ = ("tensor", "name", "ref")
+
+    def __init__(self, tensor: torch.Tensor, name: str, ref):
+        self.tensor, self.name, self.ref = tensor, name, ref
+
+
+class _Outer:
+    """A tensor packed by the caller's own saved-tensor hooks (``unpack`` is theirs)."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (no storage: a subclass, sparse, ...)
+        return None
+
+
+def hooks_allowed() -> bool:
+    """Saved-tensor hooks may be pushed here: no functorch transform other than ``jvp`` is active."""
+    stack = get_interpreter_stack()
+    return not stack or all(i.key() == TransformType.Jvp for i in stack)
+
+
+# The forwards whose hooks are pushed, innermost last: (owners, weak step, the caller's hooks or None). The hooks are
+# two module-level functions (the same objects for every step: torch.compile guards on them, and would recompile
+# for each step's new closures).
+_STACK: list[tuple[dict, Any, tuple | None]] = []
+
+
+def _pack(t):
+    # (detached: a tensor saved by its own node, an output, would otherwise hold that node in a reference cycle
+    # through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history)
+    if torch.compiler.is_compiling() or not _STACK:  # (traced by dynamo: a plain save, as without the hooks)
+        return t.detach()
+    k = _key(t)
+    for owners, ref, _ in reversed(_STACK):
+        name = owners.get(k)
+        if name is not None:
+            return _Aliased(t.detach(), name, ref)
+    outer = _STACK[-1][2]
+    return t.detach() if outer is None else _Outer(outer[0](t), outer[1])
+
+
+def _unpack(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, _Outer):
+        return x.unpack(x.packed)
+    step = x.ref()
+    if step is not None:
+        _ensure_gathered(step, x)
+    return x.tensor
+
+
+class SavedViews:
+    """The step's saved-tensor hooks, pushed for its forward (``push`` / ``pop``) when a group can be freed after
+    forward. ``owners``: storage id -> group name, noted as groups are gathered (``note``)."""
+
+    def __init__(self, step: Step):
+        self._step = weakref.ref(step)
+        self.owners: dict[int, str] = {}
+        self.hooks = None  # the saved_tensors_hooks context while pushed
+        self.entry = None  # its _STACK entry while pushed
+        # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
+        # bypasses a freed group's outputs then fails as in FSDP2
+        self.off = False
+
+    def note(self, name: str, tensors) -> None:
+        for t in tensors:
+            k = _key(t)
+            if k is not None:
+                self.owners[k] = name
+
+    def begin(self, handles: list) -> None:
+        """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward):
+        push the hooks, or under a ``torch.func`` grad level (no saved-tensor hooks there) ``hook_owners``."""
+        step = self._step()
+        if self.off:
+            return
+        if step.fused_on:
+            hook_owners(step, handles)
+        else:
+            self.push()
+
+    def push(self) -> None:
+        step = self._step()
+        if self.hooks is not None or top_saved_tensors_default_hooks is None or not hooks_allowed():
+            return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
+        if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
+                   for gb in step.groups.values()):
+            return  # nothing is freed after forward: nothing to gather again
+        for name, gb in step.groups.items():
+            if gb.bases is not None:
+                self.note(name, gb.storages())
+        top = top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] is _pack:  # a forward inside another's: the caller's hooks are that one's
+            outer = _STACK[-1][2] if _STACK else None
+        else:
+            outer = top
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks.__enter__()
+        self.hooks, self.entry = hooks, (self.owners, self._step, outer)
+        _STACK.append(self.entry)
+
+    def pop(self) -> None:
+        """Pop the hooks (the forward ended or raised); the context only if it is still the innermost one."""
+        hooks, entry, self.hooks, self.entry = self.hooks, self.entry, None, None
+        if hooks is None:
+            return
+        for i in range(len(_STACK) - 1, -1, -1):
+            if _STACK[i] is entry:
+                del _STACK[i]
+                break
+        top = top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] is _pack:
+            hooks.__exit__(None, None, None)
+
+
+def _ensure_gathered(step: Step, saved: _Aliased) -> None:
+    """Autograd unpacks a saved view of group ``saved.name``'s unsharded storage: gather the group first."""
+    if current_graph_task_id() == -1 and step.groups[saved.name].status is not Status.GATHERED:
+        raise RuntimeError(
+            f"funcshard: a tensor autograd saved in the forward of group {saved.name!r} is a view of the group's "
+            f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
+            f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
+    regather(step, saved.name)
+
+
+def regather(step: Step, name: str) -> None:
+    """A backward reaches group ``name``'s operations: if the group is not gathered, run its pre-backward (gather,
+    prefetch, the enclosing groups first) as its output hook would have."""
+    gb = step.groups[name]
+    if gb.status is Status.GATHERED or current_graph_task_id() == -1:
+        return
+    if step.failed is not None:
+        raise RuntimeError(
+            f"funcshard: the backward reads group {name!r}'s unsharded parameters, freed when this step failed "
+            f"({step.failed}); run a new step (a new forward) after the failure ({step.api})")
+    step.pre_backward(name)
+    if gb.status is not Status.GATHERED:
+        raise RuntimeError(
+            f"funcshard: the backward reads group {name!r}'s unsharded parameters, but the group promised not to "
+            f"(set_unshard_in_backward(False)); set it back to True for this model ({step.api})")
+
+
+def hook_owners(step: Step, handles: list) -> None:
+    """Under ``torch.func.grad`` / ``vjp`` (no saved-tensor hooks there): a gradient hook on the outputs of each
+    module that owns a parameter of a group freed after forward gathers the group (``regather``) when a backward
+    reaches that module without passing through the group's outputs (a loss of a submodule's activation)."""
+    plan, ref = step.plan, weakref.ref(step)
+    for name, gb in step.groups.items():
+        group = gb.group
+        if not gb.shards or not (group.reshard_after_forward or plan.post_forward_world(group) is not None):
+            continue
+        for path in sorted({p.rpartition(".")[0] for p in group.params}):
+            handles.append(plan.module.get_submodule(path).register_forward_hook(_owner_hook(ref, name)))
+
+
+def _owner_hook(ref, name: str):
+    @runtime_boundary
+    def on_grad(grad):
+        step = ref()
+        if step is not None and step.groups[name].group.unshard_in_backward:  # (else its backward reads none)
+            regather(step, name)
+
+    def hook(module, args, output):
+        step = ref()
+        if step is None or not step.in_forward or not torch.is_grad_enabled():
+            return None
+        for t in grad_inputs(output):
+            t.register_hook(on_grad)
+        return None
+
+    return runtime_boundary(hook)
