@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from funcshard._compat import (TransformType, current_graph_task_id, get_interpreter_stack, storage_key,
-                               top_saved_tensors_default_hooks)
+from funcshard._compat import (TransformType, checkpoint_saved_hooks, current_graph_task_id, get_interpreter_stack,
+                               storage_key, top_saved_tensors_default_hooks)
 from funcshard._compile import runtime_boundary
 from funcshard._runtime.backward import grad_inputs
 from funcshard._runtime.buffers import Status
@@ -71,18 +71,23 @@ def hooks_allowed() -> bool:
 _STACK: list[tuple[dict, Any, tuple | None]] = []
 
 
-def _pack(t):
+def _plain(t: torch.Tensor) -> torch.Tensor:
     # (detached: a tensor saved by its own node, an output, would otherwise hold that node in a reference cycle
-    # through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history)
+    # through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history. An input or a
+    # leaf holds no node: saved as it is, no op, as without the hooks)
+    return t if t.grad_fn is None else t.detach()
+
+
+def _pack(t):
     if torch.compiler.is_compiling() or not _STACK:  # (traced by dynamo: a plain save, as without the hooks)
-        return t.detach()
+        return _plain(t)
     k = _key(t)
     for owners, ref, _ in reversed(_STACK):
         name = owners.get(k)
         if name is not None:
             return _Aliased(t.detach(), name, ref)
     outer = _STACK[-1][2]
-    return t.detach() if outer is None else _Outer(outer[0](t), outer[1])
+    return _plain(t) if outer is None else _Outer(outer[0](t), outer[1])
 
 
 def _unpack(x):
@@ -133,10 +138,14 @@ class SavedViews:
         if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
                    for gb in step.groups.values()):
             return  # nothing is freed after forward: nothing to gather again
+        top = top_saved_tensors_default_hooks(False)
+        if checkpoint_saved_hooks(top):
+            # apply inside torch.utils.checkpoint: it saves no tensor of this forward (it recomputes them in backward)
+            # and checks that the recomputation saves the same tensors through its hooks: none of ours
+            return
         for name, gb in step.groups.items():
             if gb.bases is not None:
                 self.note(name, gb.storages())
-        top = top_saved_tensors_default_hooks(False)
         if top is not None and top[0] is _pack:  # a forward inside another's: the caller's hooks are that one's
             outer = _STACK[-1][2] if _STACK else None
         else:
