@@ -305,8 +305,8 @@ def _inner_activation_backward() -> dict:
     """Autograd reaching a group freed after forward without passing through its outputs (issue 31 item 5): a loss
     of an activation inside the group alone, by ``.backward()`` and ``torch.func.grad`` on apply
     (``reshard_after_forward`` True and 1); a loss of apply's output under non-reentrant ``torch.utils.checkpoint``
-    (whose hooks these step aside for); the primal and tangent of ``torch.func.jvp`` over apply, differentiated by ``.backward()`` and by
-    ``funcshard.value_and_grad``. Each raised torch's "setStorage ... out of bounds for storage of size 0" (FSDP2
+    (whose hooks these step aside for); the primal and tangent of ``torch.func.jvp`` over apply, differentiated by
+    ``.backward()`` and by ``funcshard.value_and_grad``. Each raised torch's "setStorage ... out of bounds for storage of size 0" (FSDP2
     raises it on the same model); now the group is gathered again when autograd unpacks its saved parameters, and
     the gradients equal the one-process reference's bit for bit."""
     import torch.distributed as dist
@@ -344,7 +344,8 @@ def _inner_activation_backward() -> dict:
     for reshard in (True, False):
         plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
         state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
-        torch.utils.checkpoint.checkpoint(funcshard.apply, plan, state, x, use_reentrant=False).square().mean().backward()
+        y = torch.utils.checkpoint.checkpoint(funcshard.apply, plan, state, x, use_reentrant=False)
+        y.square().mean().backward()
         want = funcshard.shard(plan, ref)
         out[f"checkpoint(apply) {reshard}"] = all(torch.equal(state[k].grad, want[k]) for k in want)
     stash.clear()

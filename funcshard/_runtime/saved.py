@@ -6,10 +6,11 @@ the group, or a forward run under ``torch.func.jvp`` and differentiated by ``.ba
 transform's wrapper, not on the tensor the backward runs through). Autograd would then read a view of the freed
 storage ("setStorage ... out of bounds for storage of size 0"; FSDP2 fails the same way). So, while a step's forward
 runs (``apply``'s, not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its
-forward), saved-tensor hooks mark what autograd saves that aliases a group's unsharded buffers, and unpacking such a
-tensor runs the group's pre-backward first when the group is not gathered (a no-op in an ordinary backward, where the
-output hook already ran: its schedule and collectives are unchanged). The caller's own saved-tensor hooks (e.g.
-``save_on_cpu``) still get every other tensor.
+forward), saved-tensor hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
+and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
+when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
+collectives are unchanged). The caller's own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
+non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
 Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there (``hook_owners``) a gradient hook on the
 outputs of each module owning a group's parameters does the same when a backward reaches that module (a tensor taken
@@ -31,16 +32,6 @@ from funcshard._runtime.buffers import Status
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
-
-
-class _Aliased:
-    """A saved tensor that aliases group ``name``'s unsharded storage in the step ``ref`` names (what the pack hook
-    returns for it)."""
-
-    __slots__ = ("tensor", "name", "ref")
-
-    def __init__(self, tensor: torch.Tensor, name: str, ref):
-        self.tensor, self.name, self.ref = tensor, name, ref
 
 
 class _Outer:
@@ -65,60 +56,58 @@ def hooks_allowed() -> bool:
     return not stack or all(i.key() == TransformType.Jvp for i in stack)
 
 
-# The forwards whose hooks are pushed, innermost last: (owners, weak step, the caller's hooks or None). The hooks are
-# two module-level functions (the same objects for every step: torch.compile guards on them, and would recompile
-# for each step's new closures).
-_STACK: list[tuple[dict, Any, tuple | None]] = []
+# The unsharded storages of the live steps' groups (storage id -> (weak step, group name)), noted as their groups are
+# gathered while the hooks are in effect: what ``_unpack`` looks a saved tensor up in.
+_OWNERS: dict[int, tuple[Any, str]] = {}
+# The caller's saved-tensor hooks under ours, innermost last (``_pack_outer``'s).
+_OUTER: list[tuple] = []
+
+# The pack hook where the caller has none: the C ``detach`` (no Python frame per saved tensor: the forward's cost is
+# one alias each; detached, because a tensor saved by its own node, an output, would otherwise hold that node in a
+# reference cycle through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history).
+_pack = torch.Tensor.detach
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    # (detached: a tensor saved by its own node, an output, would otherwise hold that node in a reference cycle
-    # through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history. An input or a
-    # leaf holds no node: saved as it is, no op, as without the hooks)
-    return t if t.grad_fn is None else t.detach()
-
-
-def _pack(t):
-    if torch.compiler.is_compiling() or not _STACK:  # (traced by dynamo: a plain save, as without the hooks)
-        return _plain(t)
-    k = _key(t)
-    for owners, ref, _ in reversed(_STACK):
-        name = owners.get(k)
-        if name is not None:
-            return _Aliased(t.detach(), name, ref)
-    outer = _STACK[-1][2]
-    return _plain(t) if outer is None else _Outer(outer[0](t), outer[1])
+def _pack_outer(t):
+    outer = _OUTER[-1]
+    return _Outer(outer[0](t), outer[1])
 
 
 def _unpack(x):
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, _Outer):
-        return x.unpack(x.packed)
-    step = x.ref()
-    if step is not None:
-        _ensure_gathered(step, x)
-    return x.tensor
+    t = x.unpack(x.packed) if isinstance(x, _Outer) else x
+    owner = _OWNERS.get(_key(t)) if _OWNERS else None
+    if owner is not None:
+        step = owner[0]()
+        if step is not None:
+            _ensure_gathered(step, owner[1])
+    return t
 
 
 class SavedViews:
     """The step's saved-tensor hooks, pushed for its forward (``push`` / ``pop``) when a group can be freed after
-    forward. ``owners``: storage id -> group name, noted as groups are gathered (``note``)."""
+    forward. ``owners``: this step's storage ids (in ``_OWNERS`` while it lives), noted as groups are gathered
+    (``note``)."""
 
     def __init__(self, step: Step):
         self._step = weakref.ref(step)
         self.owners: dict[int, str] = {}
-        self.hooks = None  # the saved_tensors_hooks context while pushed
-        self.entry = None  # its _STACK entry while pushed
+        self.hooks = None  # the saved_tensors_hooks context while pushed (_NESTED: an enclosing step's are in effect)
         # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
         # bypasses a freed group's outputs then fails as in FSDP2
         self.off = False
+
+    def __del__(self):
+        ref = self._step
+        for k in self.owners:
+            if _OWNERS.get(k, (None,))[0] is ref:
+                del _OWNERS[k]
 
     def note(self, name: str, tensors) -> None:
         for t in tensors:
             k = _key(t)
             if k is not None:
                 self.owners[k] = name
+                _OWNERS[k] = (self._step, name)
 
     def begin(self, handles: list) -> None:
         """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward):
@@ -146,37 +135,38 @@ class SavedViews:
         for name, gb in step.groups.items():
             if gb.bases is not None:
                 self.note(name, gb.storages())
-        if top is not None and top[0] is _pack:  # a forward inside another's: the caller's hooks are that one's
-            outer = _STACK[-1][2] if _STACK else None
-        else:
-            outer = top
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        if top is not None and top[1] is _unpack:  # a forward inside another's: its hooks look this step's up too
+            self.hooks = _NESTED
+            return
+        if top is not None:
+            _OUTER.append(top)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else _pack_outer, _unpack)
         hooks.__enter__()
-        self.hooks, self.entry = hooks, (self.owners, self._step, outer)
-        _STACK.append(self.entry)
+        self.hooks = hooks
 
     def pop(self) -> None:
         """Pop the hooks (the forward ended or raised); the context only if it is still the innermost one."""
-        hooks, entry, self.hooks, self.entry = self.hooks, self.entry, None, None
-        if hooks is None:
+        hooks, self.hooks = self.hooks, None
+        if hooks is None or hooks is _NESTED:
             return
-        for i in range(len(_STACK) - 1, -1, -1):
-            if _STACK[i] is entry:
-                del _STACK[i]
-                break
+        if hooks.pack_hook is _pack_outer:
+            _OUTER.pop()
         top = top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] is _pack:
+        if top is not None and top[1] is _unpack:
             hooks.__exit__(None, None, None)
 
 
-def _ensure_gathered(step: Step, saved: _Aliased) -> None:
-    """Autograd unpacks a saved view of group ``saved.name``'s unsharded storage: gather the group first."""
-    if current_graph_task_id() == -1 and step.groups[saved.name].status is not Status.GATHERED:
+_NESTED = object()
+
+
+def _ensure_gathered(step: Step, name: str) -> None:
+    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first."""
+    if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
         raise RuntimeError(
-            f"funcshard: a tensor autograd saved in the forward of group {saved.name!r} is a view of the group's "
+            f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's "
             f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
             f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
-    regather(step, saved.name)
+    regather(step, name)
 
 
 def regather(step: Step, name: str) -> None:
