@@ -77,6 +77,7 @@ def checkpoint_saved_hooks(hooks: tuple | None) -> bool:
     ``torch.utils.checkpoint``'s (its forward's or its recomputation's: closures defined in that module)."""
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
+
 # ---- kernels --------------------------------------------------------------------------------------------
 chunk_cat = require("torch._chunk_cat")  # the padded rank-major concatenation of chunks, in one op
 unflatten_dense_tensors = require("torch._C._nn.unflatten_dense_tensors")  # views of a flat tensor

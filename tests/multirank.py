@@ -37,8 +37,7 @@ Failures:
 Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
 the pool is killed and the next call starts a fresh one.  After every job in which all ranks
 answered, an all_reduce on the default group checks that the pool is still in step (no rank left
-a collective behind, nobody destroyed the default group); if not, the pool is discarded too; if so, every
-rank destroys the process groups the job left registered (``_release_groups``: their gloo threads go).
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
 Worker stdout/stderr (file descriptors 1 and 2) go where the parent's went when the pool started (pytest
 captures them).
 """
@@ -144,7 +143,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
                 dist.all_reduce(t)
                 if t.item() != world_size:
                     raise RuntimeError(f"health check all_reduce gave {t.item()}, not {world_size}")
-                _release_groups()
                 result = None
             else:
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
@@ -162,34 +160,6 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-_PENDING: list = []  # groups a funcshard collective timed out on, destroyed but kept alive (see _release_groups)
-
-
-def _release_groups() -> None:
-    """After a job every rank finished (the health check), destroy the process groups it left registered: each holds
-    ~3 gloo threads and its sockets until destroyed (never destroyed, a worker grew by hundreds of threads over a
-    suite). Every rank destroys all but the default group, so that ranks hold as many groups as each other (torch
-    names a ``new_group(..., use_local_synchronization=True)`` by a hash of its ranks and of that count: unequal
-    counts, and gloo meets under different names and times out). A group on which a funcshard collective timed out
-    is destroyed but kept alive (``_PENDING``, 3 threads each): the collective may still be pending in gloo, and the
-    group's destructor would wait for it up to gloo's timeout wherever the last reference went (in a later job's
-    garbage collection: ~25 s inside test_divergence's next scenarios, which then timed out on their peer)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    collectives = sys.modules.get("funcshard._collectives")
-    for pg in list(c10d._world.pg_map):
-        if pg is c10d.GroupMember.WORLD:
-            continue
-        if collectives is not None and (collectives.broken(pg) or "").endswith("timed out"):
-            _PENDING.append(pg)  # (a collective that timed out: the other causes leave none pending)
-        try:
-            dist.destroy_process_group(pg)
-        except (ValueError, RuntimeError):  # (destroyed meanwhile)
-            continue
-        if collectives is not None:
-            collectives.forget(pg)
 
 
 # ----------------------------------------------------------------------------- parent side

@@ -82,27 +82,28 @@ _MADE: list = []  # this rank's groups from _fresh_mesh, destroyed by the next c
 
 def _release() -> None:
     """Destroy the groups earlier scenarios made (each holds gloo threads and sockets: never destroyed, a pool's
-    workers grew by ~3 threads per scenario) and make funcshard forget them; but keep alive (``_KEPT``, never reused)
-    a group whose scenario ended in a timeout or a rank's own error on this rank (``_keep_if_pending``): a collective of
-    it may still be pending in gloo, and the group's destructor, wherever its last reference went (in a later job's
-    garbage collection: a fully_shard model's mesh sits in reference cycles), joined gloo's threads, which waited for
-    that collective until gloo's timeout (``GLOO_S``). That wait, ~25 s inside whichever later scenario reached it, made
-    the scenarios order-dependent: the scenario that waited timed out on its peer (test_microbatches_fully_shard's
-    check-mode variant, or test_microbatches_apply_the_waiting_rank_times_out)."""
+    workers grew by ~3 threads per scenario) and make funcshard forget them; but keep alive (``_KEPT``, destroyed,
+    never reused) a group whose scenario ended in a timeout or a rank's own error on this rank (``_keep_if_pending``):
+    a collective of it may still be pending in gloo, and the group's destructor, wherever its last reference went (in
+    a later job's garbage collection: a fully_shard model's mesh sits in reference cycles), joined gloo's threads,
+    which waited for that collective until gloo's timeout (``GLOO_S``). That wait, ~25 s inside whichever later
+    scenario reached it, made the scenarios order-dependent: the scenario that waited timed out on its peer
+    (test_microbatches_fully_shard's check-mode variant, or test_microbatches_apply_the_waiting_rank_times_out).
+    Every group is destroyed (unregistered) on every rank alike: torch names a ``new_group(...,
+    use_local_synchronization=True)`` by its ranks and the number of groups a process holds
+    (test_a_group_made_again_under_its_name_does_not_read_the_old_keys timed out connecting when they differed)."""
     from funcshard._collectives import forget
 
     while _MADE:
         pg = _MADE.pop()
-        if any(k is pg for k in _KEPT):
-            continue
         try:
             dist.destroy_process_group(pg)
-        except ValueError:  # (multirank destroys a job's groups once every rank has answered)
+        except ValueError:  # (destroyed already)
             pass
         forget(pg)
 
 
-_KEPT: list = []  # groups that may hold a pending gloo collective: never destroyed (3 threads each)
+_KEPT: list = []  # groups that may hold a pending gloo collective: destroyed, never collected (3 threads each)
 
 
 def _keep_if_pending(kind: str) -> None:

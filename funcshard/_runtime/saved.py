@@ -12,9 +12,8 @@ when the group is not gathered (a no-op in an ordinary backward, where the outpu
 collectives are unchanged). The caller's own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
 non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
-Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there (``hook_owners``) a gradient hook on the
-outputs of each module owning a group's parameters does the same when a backward reaches that module (a tensor taken
-from inside such a module's forward, not its output, is not covered: docs/reliability.md).
+Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there a loss of an inner activation alone fails
+as in FSDP2 (docs/reliability.md gives the ways out).
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ import torch
 
 from funcshard._compat import (TransformType, checkpoint_saved_hooks, current_graph_task_id, get_interpreter_stack,
                                storage_key, top_saved_tensors_default_hooks)
-from funcshard._compile import runtime_boundary
-from funcshard._runtime.backward import grad_inputs
 from funcshard._runtime.buffers import Status
 
 if TYPE_CHECKING:
@@ -109,15 +106,11 @@ class SavedViews:
                 self.owners[k] = name
                 _OWNERS[k] = (self._step, name)
 
-    def begin(self, handles: list) -> None:
-        """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward):
-        push the hooks, or under a ``torch.func`` grad level (no saved-tensor hooks there) ``hook_owners``."""
-        step = self._step()
-        if self.off:
-            return
-        if step.fused_on:
-            hook_owners(step, handles)
-        else:
+    def begin(self) -> None:
+        """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward): push
+        the hooks; none under a ``torch.func`` grad level (torch refuses saved-tensor hooks there; a gradient hook per
+        parameter-owning module cost that path ~9 % of a tiny-33g step's CPU time, so it is not built)."""
+        if not self.off and not self._step().fused_on:
             self.push()
 
     def push(self) -> None:
@@ -184,34 +177,3 @@ def regather(step: Step, name: str) -> None:
         raise RuntimeError(
             f"funcshard: the backward reads group {name!r}'s unsharded parameters, but the group promised not to "
             f"(set_unshard_in_backward(False)); set it back to True for this model ({step.api})")
-
-
-def hook_owners(step: Step, handles: list) -> None:
-    """Under ``torch.func.grad`` / ``vjp`` (no saved-tensor hooks there): a gradient hook on the outputs of each
-    module that owns a parameter of a group freed after forward gathers the group (``regather``) when a backward
-    reaches that module without passing through the group's outputs (a loss of a submodule's activation)."""
-    plan, ref = step.plan, weakref.ref(step)
-    for name, gb in step.groups.items():
-        group = gb.group
-        if not gb.shards or not (group.reshard_after_forward or plan.post_forward_world(group) is not None):
-            continue
-        for path in sorted({p.rpartition(".")[0] for p in group.params}):
-            handles.append(plan.module.get_submodule(path).register_forward_hook(_owner_hook(ref, name)))
-
-
-def _owner_hook(ref, name: str):
-    @runtime_boundary
-    def on_grad(grad):
-        step = ref()
-        if step is not None and step.groups[name].group.unshard_in_backward:  # (else its backward reads none)
-            regather(step, name)
-
-    def hook(module, args, output):
-        step = ref()
-        if step is None or not step.in_forward or not torch.is_grad_enabled():
-            return None
-        for t in grad_inputs(output):
-            t.register_hook(on_grad)
-        return None
-
-    return runtime_boundary(hook)

@@ -348,7 +348,7 @@ class Step:
             self.runs[ROOT].gather_for_forward()
             self.runs[ROOT].swap_in()
             self.begin_forward()
-            self.saved.begin(handles)  # (a freed group gathered when backward reads its saved parameters)
+            self.saved.begin()  # (a freed group gathered when backward reads its saved parameters)
             root = plan.groups[0]
             if root.param_dtype is not None and root.cast_forward_inputs:
                 args, kwargs = cast_floating(root.param_dtype, (args, kwargs))
