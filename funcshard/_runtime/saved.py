@@ -72,12 +72,22 @@ def _pack_outer(t):
 
 def _unpack(x):
     t = x.unpack(x.packed) if isinstance(x, _Outer) else x
-    owner = _OWNERS.get(_key(t)) if _OWNERS else None
+    if not _OWNERS:
+        return t
+    k = _key(t)
+    owner = _OWNERS.get(k)
     if owner is not None:
         step = owner[0]()
-        if step is not None:
+        if step is not None and step.groups[owner[1]].status is not Status.GATHERED and _owns(step, owner[1], k):
             _ensure_gathered(step, owner[1])
     return t
+
+
+def _owns(step: Step, name: str, k: int) -> bool:
+    """Group ``name``'s buffers still have storage ``k`` (not a stale id: its buffers were dropped, the storage freed
+    and its address taken by another tensor's)."""
+    gb = step.groups[name]
+    return gb.bases is not None and any(_key(b) == k for b in gb.storages())
 
 
 class SavedViews:
