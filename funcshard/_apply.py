@@ -68,7 +68,7 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
-    step, args, kwargs = _enter(plan, state, args, kwargs)
+    step, args, kwargs = _enter(plan, state, args, kwargs, torch.compiler.is_compiling())
     try:
         out = plan.module(*args, **kwargs)
     except BaseException as e:
@@ -90,11 +90,13 @@ def _nested(plan: Plan) -> bool:
 
 
 @runtime_boundary
-def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> tuple[Step, tuple, dict]:
+def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
+           compiled: bool = False) -> tuple[Step, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
     check_transforms("funcshard.apply")
     step = Step(plan, dict(state))
+    step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)
     return step, *step.open_forward(args, kwargs)
 
 

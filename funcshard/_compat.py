@@ -66,6 +66,18 @@ function_base_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict_
 # The innermost saved-tensor hooks in effect (arg: ignore_is_tracing); None where torch lacks it.
 top_saved_tensors_default_hooks = getattr(require("torch._C._autograd"), "_top_saved_tensors_default_hooks", None)
 
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage (its StorageImpl), the same for every view of it and across ``resize_``."""
+    return t.untyped_storage()._cdata
+
+
+def checkpoint_saved_hooks(hooks: tuple | None) -> bool:
+    """Whether the saved-tensor hooks ``hooks`` (``top_saved_tensors_default_hooks``' pair) are non-reentrant
+    ``torch.utils.checkpoint``'s (its forward's or its recomputation's: closures defined in that module)."""
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 # ---- kernels --------------------------------------------------------------------------------------------
 chunk_cat = require("torch._chunk_cat")  # the padded rank-major concatenation of chunks, in one op
 unflatten_dense_tensors = require("torch._C._nn.unflatten_dense_tensors")  # views of a flat tensor
@@ -291,7 +303,8 @@ __all__ = [
     "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "DisableFuncTorch",
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
-    "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks",
+    "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks", "storage_key",
+    "checkpoint_saved_hooks",
     "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",
     "foreach_addcmul_", "foreach_copy_",
     "foreach_div", "foreach_div_", "foreach_lerp", "foreach_lerp_", "foreach_mul", "foreach_mul_", "foreach_norm",

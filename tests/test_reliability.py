@@ -264,9 +264,8 @@ def _loss_of_an_inner_activation():
     """torch.func.grad of a loss taken from an activation of the root group (stashed by a hook), the model's output
     dropped: the hooks that hold the fused forward's views die with the output, and the root group, whose parameters
     get fewer gradients than were hooked, finishes in the whole-step gather's backward. A loss of an activation
-    inside a group that reshards after forward alone raises torch's "setStorage ... out of bounds" in backward, as in
-    FSDP2 (no hook gathers the group again for its backward); the way out docs/reliability.md gives, the loss made to
-    depend on the model's output too (``+ 0 * out.sum()``), gives the reference's gradients ("inner" keys)."""
+    inside a group that reshards after forward, made to depend on the model's output too (``+ 0 * out.sum()``), gives
+    the reference's gradients ("inner" keys; without that term: ``_inner_activation_backward``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -302,10 +301,88 @@ def _loss_of_an_inner_activation():
     return {**out, **{f"inner {k}": torch.allclose(got[k], want[k], atol=1e-6) for k in want}}
 
 
+def _inner_activation_backward() -> dict:
+    """Autograd reaching a group freed after forward without passing through its outputs (issue 31 item 5): a loss
+    of an activation inside the group alone, by ``.backward()`` on apply (``reshard_after_forward`` True and 1; not
+    under ``torch.func.grad``: docs/reliability.md); a loss of apply's output under non-reentrant ``torch.utils.checkpoint``
+    (whose hooks these step aside for); the primal and tangent of ``torch.func.jvp`` over apply, differentiated by
+    ``.backward()`` and by ``funcshard.value_and_grad``. Each raised torch's "setStorage ... out of bounds for storage of size 0" (FSDP2
+    raises it on the same model); now the group is gathered again when autograd unpacks its saved parameters, and
+    the gradients equal the one-process reference's bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP, Block
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = MLP(layers=2)
+    stash = []
+    model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+    x = torch.randn(4, 7)
+    full = {k: v.detach() for k, v in model.named_parameters()}
+
+    def inner(out):
+        del out
+        return stash.pop().square().mean()
+
+    ref = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
+    out = {}
+    for reshard in (True, 1):
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        inner(funcshard.apply(plan, state, x)).backward()
+        want = funcshard.shard(plan, ref)
+        out[f"apply {reshard}"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+
+    # non-reentrant torch.utils.checkpoint around apply: it saves none of apply's tensors (the hooks step aside; with
+    # them its recomputation saved other tensors than its forward: CheckpointError "different metadata")
+    ref = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())(full)
+    for reshard in (True, False):
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        y = torch.utils.checkpoint.checkpoint(funcshard.apply, plan, state, x, use_reentrant=False)
+        y.square().mean().backward()
+        want = funcshard.shard(plan, ref)
+        out[f"checkpoint(apply) {reshard}"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    stash.clear()
+
+    # a saved view of a freed group read outside backward (grad_fn._saved_*): an error, not freed memory (a segfault)
+    plan = funcshard.plan(model, mesh, groups=(Block,))
+    kept = funcshard.apply(plan, {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}, x)
+    try:
+        stash.pop().grad_fn._saved_mat2
+        out["saved view read outside backward"] = False
+    except RuntimeError as e:
+        out["saved view read outside backward"] = "'blocks.1' is a view of the group's unsharded" in str(e)
+    del kept
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, v = torch.randn(5, 3), torch.randn(5, 3)
+    p = {k: t.detach() for k, t in m.named_parameters()}
+    ref = torch.func.grad(lambda p: (lambda o, d: (o - d.detach()).pow(2).sum())(
+        *torch.func.jvp(lambda z: torch.func.functional_call(m, p, (z,)), (x,), (v,))))(p)
+    plan = funcshard.plan(m, mesh, groups=(torch.nn.Linear,))
+    want = funcshard.shard(plan, ref)
+
+    def loss(s):
+        o, d = torch.func.jvp(lambda z: funcshard.apply(plan, s, z), (x,), (v,))
+        return (o - d.detach()).pow(2).sum()
+
+    state = {k: t.requires_grad_() for k, t in funcshard.shard(plan).items()}
+    loss(state).backward()
+    out["jvp .backward()"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    got = funcshard.value_and_grad(loss)(funcshard.shard(plan))[1]
+    out["jvp value_and_grad"] = all(torch.equal(got[k], want[k]) for k in want)
+    return out
+
+
 def test_grad_of_an_inner_activation_only():
     from multirank import run_ranks
 
     for out in run_ranks(2, _loss_of_an_inner_activation):
+        assert all(out.values()), out
+    for out in run_ranks(2, _inner_activation_backward):
         assert all(out.values()), out
 
 

@@ -84,6 +84,9 @@ class GroupRun(Part):
         if self.buffers.status is Status.SHARDED:
             self.unshard()
         self.buffers.wait()
+        saved = self.step.saved
+        if saved is not None and saved.hooks is not None:  # (its storage, for the forward's saved-tensor hooks)
+            saved.note(self.name, self.buffers.storages())
 
     @failing
     def reshard(self) -> None:

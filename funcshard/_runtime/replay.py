@@ -111,6 +111,7 @@ class ReplayStep:
         self.prefetcher = Prefetcher(self)
         self.frozen = FrozenRelease(self)
         self.reduce_queue = _Queue(self, ledger)
+        self.saved = None  # (no autograd: no saved-tensor hooks)
 
     def where(self, kind: str, name: str) -> None:
         return None

@@ -51,6 +51,7 @@ from funcshard._runtime.group import GroupRun, single_grad_level
 from funcshard._runtime.hooks import module_post_forward, module_pre_forward
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
+from funcshard._runtime.saved import SavedViews
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
 _PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
@@ -124,7 +125,7 @@ class Step:
                      for name, gb in self.groups.items()}
         self.tracker = ForwardTracker(facts.members)
         self.prefetcher = Prefetcher(self)
-        self.nodes, self.relay, self.fused = Nodes(self), Relay(self), Fused(self)
+        self.nodes, self.relay, self.fused, self.saved = Nodes(self), Relay(self), Fused(self), SavedViews(self)
         self.reduce_queue, self.frozen, self.recompute = ReduceQueue(self), FrozenRelease(self), Recompute(self)
         self.fused_on = False  # open_forward(): one _StepGather for the step (under a torch.func grad transform)
         self.in_forward = False
@@ -305,6 +306,7 @@ class Step:
             self.runs[ROOT].gather_for_forward()
             self.runs[ROOT].swap_in()
             self.begin_forward()
+            self.saved.begin()  # (a freed group gathered when backward reads its saved parameters)
             root = plan.groups[0]
             if root.param_dtype is not None and root.cast_forward_inputs:
                 args, kwargs = cast_floating(root.param_dtype, (args, kwargs))
@@ -322,6 +324,7 @@ class Step:
         """Leave the forward; returns what must live as long as the root output's backward hook (``Fused``: the
         graph's parameter views, held by the graph, not by the step)."""
         self.in_forward = False
+        self.saved.pop()
         self.relay.end_forward()
         if self.no_backward:
             _remove(self.hook_handles)

@@ -1,0 +1,189 @@
+"""Saved views of a group's unsharded parameters: gathered again when autograd unpacks them (``SavedViews``).
+
+A group freed after forward is gathered again by the pre-backward hook on its outputs. A backward that reaches the
+group's operations without passing through those outputs never fires it: a loss taken only from an activation inside
+the group, or a forward run under ``torch.func.jvp`` and differentiated by ``.backward()`` (the hook sits on the
+transform's wrapper, not on the tensor the backward runs through). Autograd would then read a view of the freed
+storage ("setStorage ... out of bounds for storage of size 0"; FSDP2 fails the same way). So, while a step's forward
+runs (``apply``'s, not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its
+forward), saved-tensor hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
+and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
+when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
+collectives are unchanged). The caller's own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
+non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
+
+Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there a loss of an inner activation alone fails
+as in FSDP2 (docs/reliability.md gives the ways out).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from funcshard._compat import (TransformType, checkpoint_saved_hooks, current_graph_task_id, get_interpreter_stack,
+                               storage_key, top_saved_tensors_default_hooks)
+from funcshard._runtime.buffers import Status
+
+if TYPE_CHECKING:
+    from funcshard._runtime.step import Step
+
+
+class _Outer:
+    """A tensor packed by the caller's own saved-tensor hooks (``unpack`` is theirs)."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed, unpack):
+        self.packed, self.unpack = packed, unpack
+
+
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (no storage: a subclass, sparse, ...)
+        return None
+
+
+def hooks_allowed() -> bool:
+    """Saved-tensor hooks may be pushed here: no functorch transform other than ``jvp`` is active."""
+    stack = get_interpreter_stack()
+    return not stack or all(i.key() == TransformType.Jvp for i in stack)
+
+
+# The unsharded storages of the live steps' groups (storage id -> (weak step, group name)), noted as their groups are
+# gathered while the hooks are in effect: what ``_unpack`` looks a saved tensor up in.
+_OWNERS: dict[int, tuple[Any, str]] = {}
+# The caller's saved-tensor hooks under ours, innermost last (``_pack_outer``'s).
+_OUTER: list[tuple] = []
+
+# The pack hook where the caller has none: the C ``detach`` (no Python frame per saved tensor: the forward's cost is
+# one alias each; detached, because a tensor saved by its own node, an output, would otherwise hold that node in a
+# reference cycle through autograd's C++ that gc cannot break; autograd gives the unpacked tensor its history).
+_pack = torch.Tensor.detach
+
+
+def _pack_outer(t):
+    outer = _OUTER[-1]
+    return _Outer(outer[0](t), outer[1])
+
+
+def _unpack(x):
+    t = x.unpack(x.packed) if isinstance(x, _Outer) else x
+    if not _OWNERS:
+        return t
+    k = _key(t)
+    owner = _OWNERS.get(k)
+    if owner is not None:
+        step = owner[0]()
+        if step is not None and step.groups[owner[1]].status is not Status.GATHERED and _owns(step, owner[1], k):
+            _ensure_gathered(step, owner[1])
+    return t
+
+
+def _owns(step: Step, name: str, k: int) -> bool:
+    """Group ``name``'s buffers still have storage ``k`` (not a stale id: its buffers were dropped, the storage freed
+    and its address taken by another tensor's)."""
+    gb = step.groups[name]
+    return gb.bases is not None and any(_key(b) == k for b in gb.storages())
+
+
+class SavedViews:
+    """The step's saved-tensor hooks, pushed for its forward (``push`` / ``pop``) when a group can be freed after
+    forward. ``owners``: this step's storage ids (in ``_OWNERS`` while it lives), noted as groups are gathered
+    (``note``)."""
+
+    def __init__(self, step: Step):
+        self._step = weakref.ref(step)
+        self.owners: dict[int, str] = {}
+        self.hooks = None  # the saved_tensors_hooks context while pushed (_NESTED: an enclosing step's are in effect)
+        # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
+        # bypasses a freed group's outputs then fails as in FSDP2
+        self.off = False
+
+    def __del__(self):
+        ref = self._step
+        for k in self.owners:
+            if _OWNERS.get(k, (None,))[0] is ref:
+                del _OWNERS[k]
+
+    def note(self, name: str, tensors) -> None:
+        for t in tensors:
+            k = _key(t)
+            if k is not None:
+                self.owners[k] = name
+                _OWNERS[k] = (self._step, name)
+
+    def begin(self) -> None:
+        """``apply``'s forward begins (not ``fully_shard``'s: it cannot tell whether dynamo traces its forward): push
+        the hooks; none under a ``torch.func`` grad level (torch refuses saved-tensor hooks there; a gradient hook per
+        parameter-owning module cost that path ~9 % of a tiny-33g step's CPU time, so it is not built)."""
+        if not self.off and not self._step().fused_on:
+            self.push()
+
+    def push(self) -> None:
+        step = self._step()
+        if self.hooks is not None or top_saved_tensors_default_hooks is None or not hooks_allowed():
+            return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
+        if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
+                   for gb in step.groups.values()):
+            return  # nothing is freed after forward: nothing to gather again
+        top = top_saved_tensors_default_hooks(False)
+        if checkpoint_saved_hooks(top):
+            # apply inside torch.utils.checkpoint: it saves no tensor of this forward (it recomputes them in backward)
+            # and checks that the recomputation saves the same tensors through its hooks: none of ours
+            return
+        for name, gb in step.groups.items():
+            if gb.bases is not None:
+                self.note(name, gb.storages())
+        if top is not None and top[1] is _unpack:  # a forward inside another's: its hooks look this step's up too
+            self.hooks = _NESTED
+            return
+        if top is not None:
+            _OUTER.append(top)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else _pack_outer, _unpack)
+        hooks.__enter__()
+        self.hooks = hooks
+
+    def pop(self) -> None:
+        """Pop the hooks (the forward ended or raised); the context only if it is still the innermost one."""
+        hooks, self.hooks = self.hooks, None
+        if hooks is None or hooks is _NESTED:
+            return
+        if hooks.pack_hook is _pack_outer:
+            _OUTER.pop()
+        top = top_saved_tensors_default_hooks(False)
+        if top is not None and top[1] is _unpack:
+            hooks.__exit__(None, None, None)
+
+
+_NESTED = object()
+
+
+def _ensure_gathered(step: Step, name: str) -> None:
+    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first."""
+    if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
+        raise RuntimeError(
+            f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's "
+            f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
+            f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
+    regather(step, name)
+
+
+def regather(step: Step, name: str) -> None:
+    """A backward reaches group ``name``'s operations: if the group is not gathered, run its pre-backward (gather,
+    prefetch, the enclosing groups first) as its output hook would have."""
+    gb = step.groups[name]
+    if gb.status is Status.GATHERED or current_graph_task_id() == -1:
+        return
+    if step.failed is not None:
+        raise RuntimeError(
+            f"funcshard: the backward reads group {name!r}'s unsharded parameters, freed when this step failed "
+            f"({step.failed}); run a new step (a new forward) after the failure ({step.api})")
+    step.pre_backward(name)
+    if gb.status is not Status.GATHERED:
+        raise RuntimeError(
+            f"funcshard: the backward reads group {name!r}'s unsharded parameters, but the group promised not to "
+            f"(set_unshard_in_backward(False)); set it back to True for this model ({step.api})")
