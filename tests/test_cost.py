@@ -270,6 +270,33 @@ def mesh8():
     dist.destroy_process_group()
 
 
+class _Checkpointed(_Blocks):
+    """Each block under non-reentrant activation checkpointing (torch.utils.checkpoint's saved-tensor hooks)."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+def test_estimate_under_activation_checkpointing(mesh8):
+    """The trace's gather node saves its views as the runtime's does under saved-tensor hooks: checkpoint's
+    recomputation saves what its forward saved (it raised CheckpointError "a different number of tensors" when the
+    trace went through the node without _saving_views), and checkpointing keeps fewer activations."""
+    x = torch.empty(16, 64, device="meta")
+    costs = []
+    for cls in (_Blocks, _Checkpointed):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = cls()
+        costs.append(C.estimate(funcshard.plan(model, mesh8, groups=(nn.Sequential,)), x))
+    plain, ckpt = costs
+    assert ckpt.max_by_category()["activations"] < plain.max_by_category()["activations"]
+    assert ckpt.bytes_by_kind() == plain.bytes_by_kind()
+
+
 def test_estimate_on_a_fake_mesh_reads_the_schedule(mesh8):
     with torch.device("meta"):
         model = _Blocks()

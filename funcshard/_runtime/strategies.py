@@ -78,11 +78,7 @@ class Nodes(Part):
         replaces one that died unused)."""
         step = self.step
         shards = map(_unwrap_if_dead, [step.state[p] for p in step.groups[name].group.params])
-        if _no_saved_hooks():  # autograd saves the outputs plainly
-            views = gather_node(step, name, token, *shards)
-        else:
-            with _saving_views():
-                views = gather_node(step, name, token, *shards)
+        views = gather_node(step, name, token, *shards)
         run = step.runs[name]
         run.slots.views = views
         node = next((v.grad_fn for v in views if v.grad_fn is not None), None)
@@ -214,8 +210,13 @@ def gather_node(step: Any, name: str, token: torch.Tensor | None, *shards: torch
     """Group ``name``'s unsharded parameters as the outputs of a new plain-autograd gather node
     (``_GroupGatherEager``), its backward the group's post-backward. ``step``: the runtime's ``Step``, or the cost
     model's stand-in for one (``_cost_trace``: what the node reads of it is ``runs[name].wait()``,
-    ``runs[name].post_backward(grads)``, ``groups[name].views()`` and ``nodes.given_grads(name, grads)``)."""
-    return _apply(_GroupGatherEager, step, name, token, *shards)
+    ``runs[name].post_backward(grads)``, ``groups[name].views()`` and ``nodes.given_grads(name, grads)``). Under
+    saved-tensor hooks (e.g. non-reentrant activation checkpointing around the group) the node saves its views as
+    ``_saving_views`` says, so that a recomputed region saves what its forward saved."""
+    if _no_saved_hooks():  # autograd saves the outputs plainly
+        return _apply(_GroupGatherEager, step, name, token, *shards)
+    with _saving_views():
+        return _apply(_GroupGatherEager, step, name, token, *shards)
 
 
 # ---- relays (apply under plain autograd) --------------------------------------------------------------------
