@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._primitives import check_transforms
+from funcshard._primitives import check_transforms, depends_on_gradient
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
@@ -64,7 +64,7 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # (a transform stack apply's runtime does not take: the traced path, which composes. Not asked while dynamo
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
-    if not torch.compiler.is_compiling() and _nested(plan):
+    if not torch.compiler.is_compiling() and _nested(plan, state):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
@@ -79,11 +79,14 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan) -> bool:
+def _nested(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     """Whether a torch.func transform stack other than the runtime's own (none, or one grad/vjp or jvp level) is
-    active, and the traced mode runs the plan (else apply's ``check_transforms`` refuses it)."""
+    active, or one level over a state made from a gradient through the gathers (MAML's adapted state: its second
+    derivative needs the traced path's gather, ``_primitives.watch_means``), and the traced mode runs the plan (else
+    apply's ``check_transforms`` refuses it)."""
     stack = get_interpreter_stack()
-    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
+    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)
+                     and not depends_on_gradient(t for t in state.values() if isinstance(t, torch.Tensor))):
         return False
     return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
                 or any(g.offload_to_cpu for g in plan.groups))

@@ -58,17 +58,16 @@ import torch
 
 from funcshard._primitives import (
     Bucket,
-    refuse_again,
-    all_reduce,
     bucket_param,
     check_backward_transforms,
     check_batched_grads,
     check_reverse_levels,
-    divided_twice,
     gather_bucket,
+    mean,
     reduce_scatter,
     unflatten,
     untraced,
+    watch_means,
 )
 from funcshard._compat import (c10d_functional, get_dynamic_layer_stack_depth, get_interpreter_stack,
                                is_functorch_wrapped_tensor)
@@ -161,6 +160,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.bucket = inputs[0]
+        ctx._funcshard_node = "gather"  # (for _primitives.watch_means)
 
     @staticmethod
     def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
@@ -183,32 +183,25 @@ class _Gather(torch.autograd.Function):
         reduced = [i for i in range(len(b.params)) if ctx.needs_input_grad[1 + i]]
         cols = grad.view(b.world, -1).split([p.numel for p in b.params], dim=1)
         inp = torch.cat([cols[i] for i in reduced], dim=1).to(b.reduce)  # (world, reduced elements)
-        if b.before != 1.0:
-            inp = inp / b.before
-        out = inp.reshape(-1)
-        create_graph = not compiling and grad.requires_grad and torch.is_grad_enabled()
-        first_order = b.before * b.after != 1.0 or b.replicate_group is not None  # (check_reverse_levels' rule)
-        if create_graph and not first_order:
-            # the differentiable collectives (their backward is the gather again: any order)
+        if not compiling and grad.requires_grad and torch.is_grad_enabled():
+            # create_graph=True: the differentiable collectives and divide (_primitives.mean: exact at second order)
             pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
-            if b.world > 1:
-                out = reduce_scatter(out, pg)
-            if rep is not None:
-                out = all_reduce(out, rep)
+            out = mean(inp, b.before).reshape(-1)
+            out = mean(reduce_scatter(out, pg) if b.world > 1 else out, b.after, rep, b.before)
         else:
+            if b.before != 1.0:
+                inp = inp / b.before
+            out = inp.reshape(-1)
             with torch.no_grad():  # (torch 2.13 registers autograd for these ops with a Function that torch.func's
                 if b.world > 1:    # transforms refuse; first order needs none)
                     out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
                 if b.replicate_group is not None:
                     out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
-        if b.after != 1.0:
-            out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
+            if b.after != 1.0:
+                out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
-        if create_graph and first_order:  # right values, refused if differentiated again
-            refusal = divided_twice(_WHAT, b.before * b.after, b.replicate_group is not None)
-            grads = refuse_again(refusal, (grad,), grads)
         return None, *grads
 
 
@@ -232,7 +225,9 @@ def _recompute_context():
 
 def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
-        return unflatten(b, _Gather.apply(b, *shards))
+        full = _Gather.apply(b, *shards)
+        watch_means(shards, full)  # (a leaf state, the first-order step's: nothing)
+        return unflatten(b, full)
     # (nothing to differentiate, e.g. a frozen group: the all-gather alone; dynamo mis-passes the arguments of a
     # setup_context-style Function none of whose inputs requires grad inside a checkpoint)
     return unflatten(b, _Gather.forward(b, *shards))

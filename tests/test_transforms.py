@@ -229,13 +229,14 @@ def _paths(m, mesh, kw, compute=None):
     }
 
 
-SECOND_REVERSE = ("grad_gnorm", "autograd_double", "maml", "autograd_maml", "func_then_autograd_maml")  # two reverse
-# levels (the last: plain autograd over a torch.func gradient; before, on a divide factor W: 1.2e-2 off at W=2, silent)
-_DIVIDED = r"{}.*divide factor of {}: each gather's backward divides.*grad_divide_factor=1\.0"
+SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
+                  "maml_gnorm", "maml_and_gnorm")  # two reverse levels: exact on every path with the plan's factor
+# and over HSDP (before: refused at W > 1 and on HSDP meshes; MAML's second-order term 1/W off, or the replicas' sum
+# twice, silently, before the refusals), but on apply's runtime (below) and where one inner gradient reaches the outer
+# loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that same gradient's norm)
+MIXED = ("maml_and_gnorm",)
+_MIXED = r"reaches the outer loss both through another gather \(as in MAML.*grad_divide_factor=1\.0"
 _APPLY_JACREV = r"the backward of funcshard\.apply ran under vmap .*jacrev"
-
-
-_REPLICAS = r"{}.*over HSDP: the gradient's sum over HSDP's replicate axis .* would be taken again"
 
 
 def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
@@ -244,11 +245,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
         return _APPLY_JACREV
     if path in ("apply", "apply_sum") and row in (*APPLY_CREATE_GRAPH, "func_then_autograd_maml"):  # (the runtime's
         return _APPLY_SECOND  # first-order backward; the last: its torch.func.grad gradient, differentiated below)
-    if hsdp and path != "gather" and row in SECOND_REVERSE:
-        return (_DIVIDED if path in ("traced", "apply") else _REPLICAS).format(
-            f"funcshard\\.{'apply' if path.startswith('apply') else 'traced_apply'}", world)
-    if world > 1 and path in ("traced", "apply") and row in SECOND_REVERSE:
-        return _DIVIDED.format(f"funcshard\\.{'apply' if path == 'apply' else 'traced_apply'}", world)
+    if row in MIXED and path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply"))):
+        return _MIXED  # (a gather that divides, or sums over replicas)
     return None
 
 
@@ -324,6 +322,19 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         maml(f, grad(f), LR)(s).backward()
         return {k: t.grad for k, t in s.items()}
 
+    def ref_maml(p):
+        return maml(ref, lambda q: scaled(grad(ref)(q)), LR)(p)
+
+    def dot(gs, vs, over):  # <g, v>: the local sums, all-reduced over the shard axis (``over``) or not
+        d = sum((t * vs[k]).sum() for k, t in gs.items())
+        return funcshard.all_reduce(d, plan.mesh) if over else d
+
+    def maml_and_gnorm(fn, gfn, norm):  # MAML's outer loss plus the squared norm of the same inner gradient
+        def outer(p):
+            gs = gfn(p)
+            return fn({k: p[k] - LR * gk for k, gk in gs.items()}) + norm(gs)
+        return outer
+
     vec = lambda s: sharded(s, x).sum(0)  # noqa: E731
     ref_vec = lambda p: call(p, x).sum(0)  # noqa: E731
     return {
@@ -340,6 +351,13 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "autograd_maml": (autograd_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
+                     lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
+        "maml_gnorm": (lambda: grad(lambda s: maml(f, grad(f), LR)(s) + gnorm(s))(state),  # (two inner gradients)
+                       lambda: sh(scaled(grad(lambda p: ref_maml(p) + ref_gnorm(p))(full)))),
+        "maml_and_gnorm": (lambda: grad(maml_and_gnorm(f, grad(f), lambda gs: dot(gs, gs, True)))(state),
+                           lambda: sh(scaled(grad(maml_and_gnorm(ref, lambda q: scaled(grad(ref)(q)),
+                                                                 lambda gs: dot(gs, gs, False)))(full)))),
         "hvp": (lambda: jvp(grad(f), (state,), (Vs,)),
                 lambda: tuple(sh(scaled(t)) for t in jvp(grad(ref), (full,), (V,)))),
         "ensemble": (lambda: vmap(f)(stacked), lambda: vmap(ref)(full_members)),
@@ -383,6 +401,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
     return res
 
 
+ROWS = 17  # (_table_rows)
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
@@ -411,7 +430,7 @@ def test_table(world):
     through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
     for res in run_ranks(world, _table, plans):
-        assert len(res) == len(plans) * (5 * 14 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+        assert len(res) == len(plans) * (5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
         for res in run_ranks(world, _table, ("root",), None, True):
@@ -435,7 +454,7 @@ def test_table_over_plans(world, quick):
     ``-m slow``."""
     names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
     for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
-        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 14 - 2 * len(APPLY_CREATE_GRAPH)
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)
         assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
         _check_table(res, world)
 
