@@ -28,7 +28,7 @@ from funcshard._collectives import (
     wait_work,
 )
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
-                              get_interpreter_stack, never_inlined)
+                              get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor, never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._spec import ShardSpec, from_split, unpad
 
@@ -66,18 +66,11 @@ def check_transforms(what: str, kinds=(TransformType.Grad, TransformType.Jvp), f
     )
 
 
-def check_reverse_levels(what: str, factor: float, replicated: bool = False) -> None:
-    """Three or more torch.func grad/vjp levels through a gather that divides by ``factor`` or sums over replicas are
-    refused (two are exact: ``_Mean``); with ``factor == 1`` and no replicate axis every order is exact."""
-    stack = get_interpreter_stack()
-    if (factor != 1.0 or replicated) and stack and sum(i.key() == TransformType.Grad for i in stack) >= 3:
-        raise NotImplementedError(f"{what} under {transform_stack(stack)}: {_THIRD}")
-
-
-_THIRD = ("three or more reverse levels through a gather that divides its gradient by the plan's factor or sums it "
-          "over HSDP's replicas are not verified (two are exact). Plan with grad_divide_factor=1.0 and a mesh without "
-          "a replicate axis (gradients are then sums over ranks, exact at every order; divide the loss by the number "
-          "of ranks to get the mean's), or use funcshard.gather")
+_THIRD = ("a gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas, fed to "
+          "another gather (as in MAML), then differentiated twice more (three reverse levels) is not verified (two "
+          "are exact; a gradient fed otherwise composes at any depth). Plan with grad_divide_factor=1.0 and a mesh "
+          "without a replicate axis (gradients are then sums over ranks, exact at every order; divide the loss by the "
+          "number of ranks to get the mean's), or use funcshard.gather")
 
 
 def check_backward_transforms(what: str) -> None:
@@ -353,11 +346,25 @@ def _record(paths: _Paths, node, always: bool):
     return post
 
 
+def _grad_fns(tensors) -> list:
+    """The autograd nodes of ``tensors`` at every level under their torch.func wrappers (under ``vmap`` the graph is
+    the unwrapped tensor's)."""
+    out = []
+    for t in tensors:
+        while True:
+            if t.grad_fn is not None:
+                out.append(t.grad_fn)
+            if not is_functorch_wrapped_tensor(t):
+                break
+            t = get_unwrapped(t)
+    return out
+
+
 def _toward_means(tensors) -> dict:
     """The autograd nodes of ``tensors``' history, each with whether a gradient's ``_Mean`` is reached from it without
     crossing a gather's node (a ``_Mean`` maps to True; the walk stops at both)."""
     leads: dict = {}
-    todo = [(t.grad_fn, False) for t in tensors if t.grad_fn is not None]
+    todo = [(n, False) for n in _grad_fns(tensors)]
     while todo:
         n, done = todo.pop()
         if done:
@@ -382,7 +389,8 @@ def watch_means(inputs, out: torch.Tensor) -> None:
     """``out``: a gather's output made from ``inputs``. Where an input depends on a gradient's ``_Mean`` (not through
     another gather), hook the nodes between them (the section's comment). Nothing where none does (a first-order
     step: leaves), and nothing under torch.compile."""
-    if torch.compiler.is_compiling() or all(t.grad_fn is None for t in inputs):
+    if torch.compiler.is_compiling() or not (any(t.grad_fn is not None for t in inputs)
+                                              or any(is_functorch_wrapped_tensor(t) for t in inputs)):
         return
     leads = _toward_means(inputs)
     means = [n for n, v in leads.items() if v and getattr(n, _NODE, None) == "mean"]
@@ -401,7 +409,8 @@ def watch_means(inputs, out: torch.Tensor) -> None:
         n.register_prehook(_classify(paths, n))
         if getattr(n, _NODE, None) != "mean":
             n.register_hook(_record(paths, n, False))
-    out.grad_fn.register_hook(_record(paths, out.grad_fn, True))
+    for node in _grad_fns((out,)):
+        node.register_hook(_record(paths, node, True))
 
 
 def _again() -> bool:
@@ -412,9 +421,15 @@ def _again() -> bool:
 
 _MIXED = ("the gradient taken through a gather of the state (divided by the plan's factor or summed over HSDP's "
           "replicas) reaches the outer loss both through another gather (as in MAML: the adapted state gathered "
-          "again) and otherwise (a norm or product of the gradient itself){}: each path needs the divide once, and the "
+          "again) and otherwise (a norm or product of the gradient itself): each path needs the divide once, and the "
           "two arrive summed. Plan with grad_divide_factor=1.0 and a mesh without a replicate axis (sums over ranks, "
           "exact at every order; divide the loss by the number of ranks for the mean's), or use funcshard.gather")
+
+
+def _divide_context(ctx, inputs, output, kind: str) -> None:
+    """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
+    ctx.factor, ctx.group, ctx.keep = inputs[1:]
+    setattr(ctx, _NODE, kind)
 
 
 class _Mean(torch.autograd.Function):
@@ -430,10 +445,7 @@ class _Mean(torch.autograd.Function):
             y = _ar(x, group, "a gather's gradient all-reduce over the replicate axis") if group is not None else x
             return y / factor if factor != 1.0 else y
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.factor, ctx.group, ctx.keep = inputs[1:]
-        setattr(ctx, _NODE, "mean")
+    setup_context = staticmethod(functools.partial(_divide_context, kind="mean"))
 
     @staticmethod
     @untraced
@@ -441,10 +453,10 @@ class _Mean(torch.autograd.Function):
         mark = getattr(ctx, "_funcshard_how", None)
         how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
         if how == "mixed":
-            raise NotImplementedError("funcshard: " + _MIXED.format(""))
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
         if how == "gathers":
             if _again():
-                raise NotImplementedError(f"funcshard: a gradient through gathers differentiated a third time: {_THIRD}")
+                raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
             return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None
         return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep), None, None, None
 
@@ -475,10 +487,7 @@ class _Divided(torch.autograd.Function):
     def forward(x, factor, group, keep):
         return x.clone()
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.factor, ctx.group, ctx.keep = inputs[1:]
-        setattr(ctx, _NODE, "gather")
+    setup_context = staticmethod(functools.partial(_divide_context, kind="gather"))
 
     @staticmethod
     @untraced

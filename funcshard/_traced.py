@@ -61,7 +61,6 @@ from funcshard._primitives import (
     bucket_param,
     check_backward_transforms,
     check_batched_grads,
-    check_reverse_levels,
     gather_bucket,
     mean,
     reduce_scatter,
@@ -265,14 +264,12 @@ def _named(out: dict[str, torch.Tensor], b: Bucket, params) -> None:
 @untraced
 def _composed(plan: Plan, state: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     """``gathered`` under a torch.func transform of the state: each bucket by the primitives' gather
-    (``gather_bucket``: every transform and nesting composes), after ``check_reverse_levels``. Never traced
+    (``gather_bucket``: every transform and nesting composes). Never traced
     (``untraced``): dynamo cannot break a transform's body, so under ``torch.compile`` this graph break makes it run
     the transform eagerly (before: the c10d functional gather on dynamo's GradTrackingTensors, a torch error; a
     compiled grad of grad would have dropped the second-order term, the compiled backward being first order), and
     ``fullgraph=True`` refuses it naming ``_primitives._UNTRACED``'s way out."""
     pg, rep = plan.shard_group()[0], plan.replicate_group()
-    for g in plan.groups:
-        check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
     out: dict[str, torch.Tensor] = {}
     for b in layout(plan).buckets:
         _named(out, b, gather_bucket(b, [state[p.path] for p in b.params], pg, rep, what))
@@ -294,13 +291,14 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     ``jacfwd``, ``hessian``), each bucket is gathered by the differentiable collectives
     (``_primitives.gather_bucket``); a ``create_graph=True`` backward under plain autograd reduce-scatters with them
     (differentiable again). Any transform of the inputs alone is the unsharded module's. The plan's divide factor
-    is applied at each gather's backward, which is the mean's gradient at one reverse level only: with a factor
-    other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
-    MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
-    (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
-    exact: gradients are sums over ranks). Under ``torch.compile`` a transform of the state through it runs eagerly
-    (the composable gather is a graph break inside it, so dynamo runs the transform eagerly: right, not compiled), and
-    ``fullgraph=True`` refuses it naming the way out. Memory, not compiled: every group's unsharded parameters live
+    (and HSDP's replica sum) is applied once per reverse level on every derivative path through the gathered
+    parameters (``_primitives._Mean``; docs/transforms.md), so two reverse levels (``grad(grad(...))``, MAML,
+    ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are exact with any factor;
+    refused (``NotImplementedError``): one inner gradient reaching the outer loss both through a gather and
+    otherwise, or fed to a gather and differentiated twice more, with a factor other than 1 or over HSDP. Under
+    ``torch.compile`` a transform of the state through it runs eagerly (the composable gather is a graph break inside
+    it, so dynamo runs the transform eagerly: right, not compiled), and ``fullgraph=True`` refuses it naming the way
+    out. Memory, not compiled: every group's unsharded parameters live
     from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
     transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
     is the compiled path's only.
