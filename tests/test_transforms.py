@@ -443,7 +443,7 @@ def test_table(world):
     for res in run_ranks(world, _table, plans):
         assert len(res) == len(plans) * (5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
-    if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
+    if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: _primitives.divided)
         for res in run_ranks(world, _table, ("root",), None, True):
             _check_table(res, world, hsdp=True)
 
