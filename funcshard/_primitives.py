@@ -292,7 +292,8 @@ _NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradien
 
 class _Paths:
     """The nodes between gathers and the ``_Mean``s their inputs depend on, and per backward pass (graph task) the
-    cotangents the gathers sent through them (``rec``), what each received (``how``: "gathers", "other", "mixed") and
+    cotangents the gathers sent through them (``rec``), what each received (``how``: "gathers", "other", "mixed",
+    "batched") and
     those that a "mixed" one sent to (``mixed``)."""
 
     def __init__(self):
@@ -310,8 +311,6 @@ def _same(got: torch.Tensor, parts: list) -> bool:
     total = parts[0]
     for p in parts[1:]:
         total = total + p
-    if any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or ()):
-        return False  # (batched cotangents: not compared here; refused)
     return got is not None and got.shape == total.shape and torch.equal(got, total)
 
 
@@ -322,6 +321,8 @@ def _classify(paths: _Paths, node):
         how = "other" if got is None else "gathers"
         if node in st.mixed:  # (from a node that received both)
             how = "mixed"
+        elif got is not None and any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or ()):
+            how = "batched"  # (batched cotangents: not compared)
         elif got is not None:
             for nr, g in enumerate(grad_outputs):
                 parts = got.get(nr)
@@ -396,6 +397,10 @@ def watch_means(inputs, out: torch.Tensor) -> None:
     means = [n for n, v in leads.items() if v and getattr(n, _NODE, None) == "mean"]
     if not means:
         return
+    keys = [i.key() for i in get_interpreter_stack() or ()]
+    if TransformType.Vmap in keys and TransformType.Grad in keys[keys.index(TransformType.Vmap):]:
+        for m in means:  # (a grad inside vmap: its backward runs on batched cotangents, not compared: refused)
+            m._funcshard_batched = True
     paths = next((p for p in (getattr(m, "_funcshard_paths", None) for m in means) if p is not None), None) or _Paths()
     for m in means:
         other = getattr(m, "_funcshard_paths", None)
@@ -432,6 +437,13 @@ def _divide_context(ctx, inputs, output, kind: str) -> None:
     setattr(ctx, _NODE, kind)
 
 
+_BATCHED = ("a gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas, fed to "
+            "another gather (as in MAML), differentiated again under vmap (an ensemble or a batch of MAML "
+            "meta-gradients: vmap(grad(...)) over the meta-loss): which paths the batched cotangents took is not "
+            "checked. vmap inside the outer grad (grad(vmap(...)), a meta-batch of tasks) composes; else plan with "
+            "grad_divide_factor=1.0 and a mesh without a replicate axis, or use funcshard.gather")
+
+
 class _Mean(torch.autograd.Function):
     """A gather's reduce-scattered gradient summed over ``group`` (HSDP's replicas; None: no sum) and divided by
     ``factor``: a linear map, whose backward is its transpose or the identity (the section's comment; ``keep``: the
@@ -452,8 +464,14 @@ class _Mean(torch.autograd.Function):
     def backward(ctx, c):
         mark = getattr(ctx, "_funcshard_how", None)
         how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
+        if getattr(ctx, "_funcshard_batched", False):
+            how = "batched"
+        elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
+            how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
         if how == "mixed":
             raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
+        if how == "batched":
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
         if how == "gathers":
             if _again():
                 raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")

@@ -230,11 +230,12 @@ def _paths(m, mesh, kw, compute=None):
 
 
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "maml_gnorm", "maml_and_gnorm")  # two reverse levels: exact on every path with the plan's factor
+                  "maml_gnorm", "maml_and_gnorm", "maml_tasks")  # two reverse levels: exact on every path with the plan's factor
 # and over HSDP (before: refused at W > 1 and on HSDP meshes; MAML's second-order term 1/W off, or the replicas' sum
 # twice, silently, before the refusals), but on apply's runtime (below) and where one inner gradient reaches the outer
 # loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that same gradient's norm)
 MIXED = ("maml_and_gnorm",)
+_BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
 _MIXED = r"reaches the outer loss both through another gather \(as in MAML.*grad_divide_factor=1\.0"
 _APPLY_JACREV = r"the backward of funcshard\.apply ran under vmap .*jacrev"
@@ -251,6 +252,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
         return _MIXED
     if row == "maml3" and divides:
         return _THIRD
+    if row == "ensemble_maml" and divides:
+        return _BATCHED
     return None
 
 
@@ -364,6 +367,14 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                                                                  lambda gs: dot(gs, gs, False)))(full)))),
         "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
                   lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
+        "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)), LR)(s))(
+                           xs.view(2, 3, 4)).sum())(state),  # (vmap between the levels: a meta-batch of two tasks)
+                       lambda: sh(scaled(grad(lambda p: vmap(lambda xi: maml(
+                           lambda q: ref(q, xi), lambda q: scaled(grad(lambda r: ref(r, xi))(q)), LR)(p))(
+                           xs.view(2, 3, 4)).sum())(full)))),
+        "ensemble_maml": (lambda: vmap(grad(maml(f, grad(f), LR)))(stacked),
+                          lambda: sh_batched(scaled(vmap(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR)))(
+                              full_members)), len(members))),
         "hvp": (lambda: jvp(grad(f), (state,), (Vs,)),
                 lambda: tuple(sh(scaled(t)) for t in jvp(grad(ref), (full,), (V,)))),
         "ensemble": (lambda: vmap(f)(stacked), lambda: vmap(ref)(full_members)),
@@ -411,8 +422,8 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
     return res
 
 
-ROWS = 17  # (_table_rows, but ONLY_NAMED)
-ONLY_NAMED = ("maml3",)  # (test_third_reverse_level)
+ROWS = 18  # (_table_rows, but ONLY_NAMED)
+ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
@@ -473,10 +484,10 @@ def test_table_over_plans(world, quick):
 @pytest.mark.parametrize("paths", [("traced",), pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
 def test_third_reverse_level(paths):
     """MAML's meta-gradient differentiated again (grad of its squared norm: three reverse levels, the inner gradient
-    fed to a gather): refused on a gather that divides (traced_apply, apply's traced path, W=2), exact with factor 1
-    and on gather (slow: third order)."""
+    fed to a gather), and MAML under vmap over stacked states (an ensemble): refused on a gather that divides
+    (traced_apply, apply's traced path, W=2), exact with factor 1 and on gather (slow: third order)."""
     for res in run_ranks(2, _table, ("root",), ONLY_NAMED, False, paths):
-        assert len(res) == len(paths), sorted(res)
+        assert len(res) == len(paths) * len(ONLY_NAMED), sorted(res)
         _check_table(res, 2)
 
 
