@@ -147,7 +147,14 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     """One bucket's all-gather: ``(*shards) -> (world * n,)`` rank-major, the shards cast to the compute dtype;
-    backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring)."""
+    backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring).
+
+    Not ``_primitives.all_gather`` (``_Collective``), which ``_composed`` uses under transforms of the state: this
+    one is traced (``c10d_functional`` ops, which dynamo and inductor take into the step's graph, bucket, reorder and
+    tag ``MUST_RECOMPUTE`` for the re-gather of resharded groups), while ``_Collective`` runs raw c10d calls on
+    plain tensors and is never traced (``untraced``: a graph break). Its backward reduce-scatters only the shards
+    being differentiated (frozen ones cost no traffic); under ``create_graph=True`` it reduce-scatters with the
+    differentiable primitives and divides with ``_primitives.mean`` (exact at second order)."""
 
     @staticmethod
     def forward(b: Bucket, *shards: torch.Tensor) -> torch.Tensor:
