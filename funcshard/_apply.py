@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._primitives import check_transforms, depends_on_gradient
+from funcshard._primitives import check_transforms, depends_on_gradient, transform_stack
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
@@ -85,9 +85,24 @@ def _nested(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     derivative needs the traced path's gather, ``_primitives.watch_means``), and the traced mode runs the plan (else
     apply's ``check_transforms`` refuses it)."""
     stack = get_interpreter_stack()
-    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)
-                     and not depends_on_gradient(t for t in state.values() if isinstance(t, torch.Tensor))):
+    if not stack:
         return False
+    if len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp):
+        tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+        if ((stack[0].key() == TransformType.Grad and all(t.grad_fn is None for t in tensors))  # (leaves: first order)
+                or not depends_on_gradient(tensors)):
+            return False
+        if not _traced_runs(plan):
+            raise NotImplementedError(
+                f"funcshard.apply under {transform_stack(stack)} of a state made from a gradient taken through a "
+                f"gather (MAML's adapted state): its second derivative needs the traced path, which does not run this "
+                f"plan ({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
+                f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
+    return _traced_runs(plan)
+
+
+def _traced_runs(plan: Plan) -> bool:
+    """Whether the traced mode runs ``plan`` for apply (nested transforms)."""
     return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
                 or any(g.offload_to_cpu for g in plan.groups))
 

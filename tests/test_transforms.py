@@ -229,11 +229,12 @@ def _paths(m, mesh, kw, compute=None):
     }
 
 
+# two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
+# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but on apply's
+# runtime (below) and where one inner gradient reaches the outer loss both through a gather and otherwise
+# (maml_and_gnorm: MAML's step plus that same gradient's norm)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "maml_gnorm", "maml_and_gnorm", "maml_tasks")  # two reverse levels: exact on every path with the plan's factor
-# and over HSDP (before: refused at W > 1 and on HSDP meshes; MAML's second-order term 1/W off, or the replicas' sum
-# twice, silently, before the refusals), but on apply's runtime (below) and where one inner gradient reaches the outer
-# loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that same gradient's norm)
+                  "maml_gnorm", "maml_and_gnorm", "maml_tasks")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -367,8 +368,9 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                                                                  lambda gs: dot(gs, gs, False)))(full)))),
         "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
                   lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
-        "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)), LR)(s))(
-                           xs.view(2, 3, 4)).sum())(state),  # (vmap between the levels: a meta-batch of two tasks)
+        "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)),
+                                                                   LR)(s))(xs.view(2, 3, 4)).sum())(state),
+                       # (vmap between the levels: a meta-batch of two tasks)
                        lambda: sh(scaled(grad(lambda p: vmap(lambda xi: maml(
                            lambda q: ref(q, xi), lambda q: scaled(grad(lambda r: ref(r, xi))(q)), LR)(p))(
                            xs.view(2, 3, 4)).sum())(full)))),
@@ -481,7 +483,8 @@ def test_table_over_plans(world, quick):
         _check_table(res, world)
 
 
-@pytest.mark.parametrize("paths", [("traced",), pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("paths", [("traced",),
+                                   pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
 def test_third_reverse_level(paths):
     """MAML's meta-gradient differentiated again (grad of its squared norm: three reverse levels, the inner gradient
     fed to a gather), and MAML under vmap over stacked states (an ensemble): refused on a gather that divides
@@ -1042,6 +1045,17 @@ def _compiled_nested():
         a = torch.utils._pytree.tree_leaves(fn(state))
         b = torch.utils._pytree.tree_leaves(torch.compile(fn, backend="aot_eager")(state))
         out[name] = len(a) == len(b) > 0 and all(torch.equal(p, q) for p, q in zip(a, b))
+    losses = {"traced": f, "apply": lambda s: funcshard.apply(plan, s, x).pow(2).mean(),
+              "gather": lambda s: torch.func.functional_call(m, funcshard.gather(plan, s), (x,)).pow(2).mean()}
+    for name, loss in losses.items():  # torch.func.grad(torch.compile(loss)): dynamo runs it eagerly, or refuses
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            try:
+                got = grad(torch.compile(loss, backend="aot_eager", fullgraph=fullgraph))(state)
+                want = grad(loss)(state)
+                out["grad_of_compiled", name, fullgraph] = all(torch.equal(got[k], t) for k, t in want.items())
+            except Exception as e:  # (dynamo's Unsupported: the test reads its text)
+                out["grad_of_compiled", name, fullgraph] = f"{type(e).__name__}: {e}"
     torch._dynamo.reset()
     return out
 
@@ -1050,8 +1064,15 @@ def _compiled_nested():
 def test_compiled_nested_transforms():
     """torch.compile over a function that runs traced_apply under vmap(grad), grad(grad), jvp(grad) or grad: right
     (dynamo runs the transform eagerly at the composable gather's graph break: the same values as eagerly, bit for
-    bit; before, a torch error on dynamo's GradTrackingTensors), and fullgraph=True refuses naming the way out."""
+    bit; before, a torch error on dynamo's GradTrackingTensors), and fullgraph=True refuses naming the way out.
+    ``torch.func.grad(torch.compile(loss))`` over traced_apply, apply and gather: the eager gradient bit for bit
+    (dynamo runs the loss eagerly under the outer transform), and with fullgraph=True torch's own refusal naming the
+    way out (wrap the transform in torch.compile too)."""
     for out in run_ranks(2, _compiled_nested, timeout=600):
+        for path in ("traced", "apply", "gather"):
+            assert out["grad_of_compiled", path, False] is True, out
+            assert re.search(r"^Unsupported: .*torch\.func\.grad\(compiled_fn\) function from eager mode is not "
+                             r"supported", out["grad_of_compiled", path, True], re.S), out
         assert all(out[k] is True for k in ("vmap_grad", "grad_grad", "jvp_grad", "grad", "gather_vmap_grad",
                                             "apply_vmap_grad")), out
         assert out["fullgraph"].startswith("Unsupported: ") and re.search(
