@@ -64,11 +64,13 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # (a transform stack apply's runtime does not take: the traced path, which composes. Not asked while dynamo
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
-    if not torch.compiler.is_compiling() and _nested(plan, state):
+    if not torch.compiler.is_compiling() and _nested(plan):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
     step, args, kwargs = _enter(plan, state, args, kwargs)
+    if step is None:  # (one grad/jvp level over a state made from a gradient through the gathers: _adapted)
+        return traced_run(plan, state, args, kwargs, "funcshard.apply")
     try:
         out = plan.module(*args, **kwargs)
     except BaseException as e:
@@ -79,25 +81,12 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
+def _nested(plan: Plan) -> bool:
     """Whether a torch.func transform stack other than the runtime's own (none, or one grad/vjp or jvp level) is
-    active, or one level over a state made from a gradient through the gathers (MAML's adapted state: its second
-    derivative needs the traced path's gather, ``_primitives.watch_means``), and the traced mode runs the plan (else
-    apply's ``check_transforms`` refuses it)."""
+    active, and the traced mode runs the plan (else apply's ``check_transforms`` refuses it)."""
     stack = get_interpreter_stack()
-    if not stack:
+    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
         return False
-    if len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp):
-        tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
-        if ((stack[0].key() == TransformType.Grad and all(t.grad_fn is None for t in tensors))  # (leaves: first order)
-                or not depends_on_gradient(tensors)):
-            return False
-        if not _traced_runs(plan):
-            raise NotImplementedError(
-                f"funcshard.apply under {transform_stack(stack)} of a state made from a gradient taken through a "
-                f"gather (MAML's adapted state): its second derivative needs the traced path, which does not run this "
-                f"plan ({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
-                f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
     return _traced_runs(plan)
 
 
@@ -107,10 +96,35 @@ def _traced_runs(plan: Plan) -> bool:
                 or any(g.offload_to_cpu for g in plan.groups))
 
 
+def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
+    """Under one torch.func level, whether ``state`` was made from a gradient taken through the gathers (MAML's
+    adapted state): its second derivative needs the traced path's gather (``_primitives.watch_means``), so apply runs
+    that path; refused where the traced mode does not run the plan. A leaf state under grad (a first-order step) is
+    not walked."""
+    stack = get_interpreter_stack()
+    if not stack or len(stack) != 1:
+        return False
+    made = stack[0].key() == TransformType.Jvp
+    for t in state.values():
+        made = made or (isinstance(t, torch.Tensor) and t.grad_fn is not None)
+    if not made or not depends_on_gradient(state.values()):
+        return False
+    if not _traced_runs(plan):
+        raise NotImplementedError(
+            f"funcshard.apply under {transform_stack(stack)} of a state made from a gradient taken through a gather "
+            f"(MAML's adapted state): its second derivative needs the traced path, which does not run this plan "
+            f"({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
+            f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
+    return True
+
+
 @runtime_boundary
-def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> tuple[Step, tuple, dict]:
+def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple,
+           kwargs: dict) -> tuple[Step | None, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
+    if _adapted(plan, state):
+        return None, args, kwargs
     check_transforms("funcshard.apply")
     step = Step(plan, dict(state))
     return step, *step.open_forward(args, kwargs)

@@ -293,8 +293,7 @@ _NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradien
 class _Paths:
     """The nodes between gathers and the ``_Mean``s their inputs depend on, and per backward pass (graph task) the
     cotangents the gathers sent through them (``rec``), what each received (``how``: "gathers", "other", "mixed",
-    "batched") and
-    those that a "mixed" one sent to (``mixed``)."""
+    "batched") and those that a "mixed" one sent to (``mixed``)."""
 
     def __init__(self):
         self.watched: set = set()
@@ -308,6 +307,7 @@ class _Paths:
 
 
 def _same(got: torch.Tensor, parts: list) -> bool:
+    """Whether the cotangent ``got`` is exactly the sum of the recorded ``parts`` (autograd's order of accumulation)."""
     total = parts[0]
     for p in parts[1:]:
         total = total + p
@@ -315,6 +315,7 @@ def _same(got: torch.Tensor, parts: list) -> bool:
 
 
 def _classify(paths: _Paths, node):
+    """A pre-hook of ``node``: what its received cotangents are (``_Paths.how``), for this backward pass."""
     def pre(grad_outputs):
         st = paths.state()
         got = st.rec.pop(node, None)
@@ -335,6 +336,8 @@ def _classify(paths: _Paths, node):
 
 
 def _record(paths: _Paths, node, always: bool):
+    """A hook of ``node``: record what it sends on to watched nodes where it received gathers' cotangents only
+    (``always``: a gather's own node)."""
     def post(grad_inputs, grad_outputs):
         st = paths.state()
         how = "gathers" if always else st.how.get(node)
@@ -352,6 +355,8 @@ def _grad_fns(tensors) -> list:
     the unwrapped tensor's)."""
     out = []
     for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
         while True:
             if t.grad_fn is not None:
                 out.append(t.grad_fn)
