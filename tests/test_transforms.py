@@ -390,9 +390,9 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
     }
 
 
-def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
+def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, every=True):
     """``hsdp``: True, every rank a replica (shards of one rank: the replica sum alone); or a (replicas, shards)
-    mesh shape."""
+    mesh shape. ``every``: with ``names`` None, also ``SECOND_ROWS``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -408,7 +408,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
             if paths is not None and path not in paths:
                 continue
             for name, (got, want) in _table_rows(plan, out, c, kind.frozen, kind.compute).items():
-                if (name not in names) if names else (name in ONLY_NAMED
+                if (name not in names) if names else (name in ONLY_NAMED or (name in SECOND_ROWS and not every)
                                                       or (path.startswith("apply") and name in APPLY_CREATE_GRAPH)):
                     continue
                 key = f"{path}/{pname}/{name}"
@@ -426,6 +426,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
 
 ROWS = 18  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
+SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks")  # (test_second_order_rows; test_table: slow)
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
@@ -453,12 +454,29 @@ def test_table(world):
     fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels
     through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
-    for res in run_ranks(world, _table, plans):
-        assert len(res) == len(plans) * (5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+    every = world == 4  # (the default suite: SECOND_ROWS in test_second_order_rows)
+    rows = ROWS - (0 if every else len(SECOND_ROWS))
+    for res in run_ranks(world, _table, plans, None, False, None, every):
+        assert len(res) == len(plans) * (5 * rows - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: _primitives.divided)
-        for res in run_ranks(world, _table, ("root",), None, True):
+        for res in run_ranks(world, _table, ("root",), None, True, None, every):
             _check_table(res, world, hsdp=True)
+
+
+@pytest.mark.parametrize("world,hsdp", [(2, False), pytest.param(2, True, marks=pytest.mark.slow),
+                                        pytest.param(1, False, marks=pytest.mark.slow)])
+def test_second_order_rows(world, hsdp):
+    """The table's second-order rows added with the divide factor made exact (default suite: W=2, the root plan,
+    traced_apply and apply with the plan's factor; slow: every path, both plans, HSDP (2, 1) and W=1; W=4 in
+    test_table): grad of <grad, v> (an HVP by reverse over reverse), MAML plus the norm of another inner gradient,
+    MAML over vmap of two tasks (vmap between the levels), and MAML plus the norm of its own inner gradient (refused
+    with a divide factor or over HSDP: the two paths arrive summed)."""
+    quick = world == 2 and not hsdp
+    plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
+    for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
+        assert len(res) == len(plans) * len(paths or range(5)) * len(SECOND_ROWS), sorted(res)
+        _check_table(res, world, hsdp)
 
 
 OTHER_PLANS = ("nested", "tied", "frozen", "bf16")
