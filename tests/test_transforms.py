@@ -234,7 +234,7 @@ def _paths(m, mesh, kw, compute=None):
 # runtime (below) and where one inner gradient reaches the outer loss both through a gather and otherwise
 # (maml_and_gnorm: MAML's step plus that same gradient's norm)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "maml_gnorm", "maml_and_gnorm", "maml_tasks")
+                  "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -366,6 +366,9 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "maml_and_gnorm": (lambda: grad(maml_and_gnorm(f, grad(f), lambda gs: dot(gs, gs, True)))(state),
                            lambda: sh(scaled(grad(maml_and_gnorm(ref, lambda q: scaled(grad(ref)(q)),
                                                                  lambda gs: dot(gs, gs, False)))(full)))),
+        "maml_two_calls": (lambda: grad(maml(lambda q: f(q) + f(q, vx), grad(f), LR))(state),  # (the adapted state
+                           lambda: sh(scaled(grad(maml(lambda q: ref(q) + ref(q, vx),  # gathered twice)
+                                                       lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
                   lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
         "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)),
@@ -424,9 +427,9 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 18  # (_table_rows, but ONLY_NAMED)
+ROWS = 19  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
-SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks")  # (test_second_order_rows; test_table: slow)
+SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
@@ -470,8 +473,9 @@ def test_second_order_rows(world, hsdp):
     """The table's second-order rows added with the divide factor made exact (default suite: W=2, the root plan,
     traced_apply and apply with the plan's factor; slow: every path, both plans, HSDP (2, 1) and W=1; W=4 in
     test_table): grad of <grad, v> (an HVP by reverse over reverse), MAML plus the norm of another inner gradient,
-    MAML over vmap of two tasks (vmap between the levels), and MAML plus the norm of its own inner gradient (refused
-    with a divide factor or over HSDP: the two paths arrive summed)."""
+    MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
+    calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
+    paths arrive summed)."""
     quick = world == 2 and not hsdp
     plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
     for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
