@@ -119,11 +119,10 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
 
 
 @runtime_boundary
-def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple,
-           kwargs: dict) -> tuple[Step | None, tuple, dict]:
+def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> tuple[Step, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
-    if _adapted(plan, state):
+    if _adapted(plan, state):  # (no Step: apply runs the traced path)
         return None, args, kwargs
     check_transforms("funcshard.apply")
     step = Step(plan, dict(state))
