@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from funcshard._primitives import check_transforms
+from funcshard._primitives import check_transforms, depends_on_gradient, transform_stack
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
@@ -69,6 +69,8 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
     step, args, kwargs = _enter(plan, state, args, kwargs, torch.compiler.is_compiling())
+    if step is None:  # (one grad/jvp level over a state made from a gradient through the gathers: _adapted)
+        return traced_run(plan, state, args, kwargs, "funcshard.apply")
     try:
         out = plan.module(*args, **kwargs)
     except BaseException as e:
@@ -85,15 +87,44 @@ def _nested(plan: Plan) -> bool:
     stack = get_interpreter_stack()
     if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
         return False
+    return _traced_runs(plan)
+
+
+def _traced_runs(plan: Plan) -> bool:
+    """Whether the traced mode runs ``plan`` for apply (nested transforms)."""
     return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
                 or any(g.offload_to_cpu for g in plan.groups))
 
 
+def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
+    """Under one torch.func level, whether ``state`` was made from a gradient taken through the gathers (MAML's
+    adapted state): its second derivative needs the traced path's gather (``_primitives.watch_means``), so apply runs
+    that path; refused where the traced mode does not run the plan. A leaf state under grad (a first-order step) is
+    not walked."""
+    stack = get_interpreter_stack()
+    if not stack or len(stack) != 1:
+        return False
+    made = stack[0].key() == TransformType.Jvp
+    for t in state.values():
+        made = made or (isinstance(t, torch.Tensor) and t.grad_fn is not None)
+    if not made or not depends_on_gradient(state.values()):
+        return False
+    if not _traced_runs(plan):
+        raise NotImplementedError(
+            f"funcshard.apply under {transform_stack(stack)} of a state made from a gradient taken through a gather "
+            f"(MAML's adapted state): its second derivative needs the traced path, which does not run this plan "
+            f"({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
+            f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
+    return True
+
+
 @runtime_boundary
 def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-           compiled: bool = False) -> tuple[Step, tuple, dict]:
+           compiled: bool = False) -> tuple[Step | None, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
+    if _adapted(plan, state):  # (no Step: apply runs the traced path)
+        return None, args, kwargs
     check_transforms("funcshard.apply")
     step = Step(plan, dict(state))
     step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)

@@ -27,8 +27,8 @@ from funcshard._collectives import (
     reduce_scatter_into,
     wait_work,
 )
-from funcshard._compat import (TransformType, assume_constant_result, dispatch_keys, get_interpreter_stack,
-                              never_inlined)
+from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
+                              get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor, never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._spec import ShardSpec, from_split, unpad
 
@@ -66,39 +66,11 @@ def check_transforms(what: str, kinds=(TransformType.Grad, TransformType.Jvp), f
     )
 
 
-_DIVIDED = ("each gather's backward divides the reduce-scattered gradient by the plan's factor, so a derivative "
-            "path through two gathers of the parameters (a gradient differentiated again: grad(grad(...)), MAML, "
-            "jacrev(jacrev(...)), autograd.grad(create_graph=True) then backward) would be divided twice. Plan with "
-            "grad_divide_factor=1.0 (gradients are then sums over ranks, exact at every order; divide the loss by the "
-            "number of ranks to get the mean's), or use funcshard.gather (sums), or take a single reverse level "
-            "(vmap(grad), jvp(grad), jacfwd(jacrev), hessian compose with the factor)")
-
-
-_REPLICATED = ("the gradient's sum over HSDP's replicate axis (an all-reduce in each gather's backward) would be "
-               "taken again on cotangents that are already the replicas' sum (a derivative path through two gathers: "
-               "grad(grad(...)), MAML, a create_graph=True gradient differentiated again): measured, MAML's "
-               "second-order term came out twice the reference's on 2 replicas. Use a mesh without a replicate axis "
-               "(FSDP over every data-parallel rank) for second order, or a single reverse level (vmap(grad), "
-               "jvp(grad), hessian compose)")
-
-
-def check_reverse_levels(what: str, factor: float, replicated: bool = False) -> None:
-    """A gradient divided by ``factor`` at each gather is only the derivative of the ranks' mean loss at one reverse
-    level, and a sum over replicas at each gather only the replicas' at one: refuse two or more torch.func grad/vjp
-    levels when ``factor != 1`` or ``replicated``."""
-    stack = get_interpreter_stack()
-    if (factor != 1.0 or replicated) and stack and sum(i.key() == TransformType.Grad for i in stack) >= 2:
-        why = (f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0
-               else f"over HSDP: {_REPLICATED}")
-        raise NotImplementedError(f"{what} under {transform_stack(stack)} {why}")
-
-
-def divided_twice(what: str, factor: float, replicated: bool = False) -> str:
-    """The refusal of a create_graph=True gradient differentiated again through a gather that divides by ``factor``
-    or sums over replicas."""
-    why = f"with a gradient divide factor of {factor:g}: {_DIVIDED}" if factor != 1.0 else f"over HSDP: {_REPLICATED}"
-    return (f"{what}: a gradient taken with create_graph=True was differentiated again (or a torch.func gradient "
-            f"differentiated by autograd), {why}")
+_THIRD = ("a gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas, fed to "
+          "another gather (as in MAML), then differentiated twice more (three reverse levels) is not verified (two "
+          "are exact; a gradient fed otherwise composes at any depth). Plan with grad_divide_factor=1.0 and a mesh "
+          "without a replicate axis (gradients are then sums over ranks, exact at every order; divide the loss by the "
+          "number of ranks to get the mean's), or use funcshard.gather")
 
 
 def check_backward_transforms(what: str) -> None:
@@ -262,30 +234,6 @@ class _Collective(torch.autograd.Function):
         return _batched(lambda y, pg: _Collective.apply(y, op, pg), x, in_dims[0], group, f"funcshard.{op}")
 
 
-class _CotangentMap(torch.autograd.Function):
-    """The identity whose backward applies ``fn`` (a linear map made of differentiable ops: any order) to the
-    cotangent; jvp: the tangent."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, fn):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.fn = inputs[1]
-
-    @staticmethod
-    @untraced
-    def backward(ctx, g):
-        return ctx.fn(g), None
-
-    @staticmethod
-    def jvp(ctx, t, _):
-        return t.clone()
-
-
 class _Refused(torch.autograd.Function):
     """The identity on gradients, depending on ``deps`` so that autograd reaches it exactly when those gradients are
     differentiated again, which raises ``refusal``. Forward-mode and vmap pass through (``jvp(grad)``, ``vmap(grad)``:
@@ -323,21 +271,265 @@ def refuse_again(refusal: str, deps, grads) -> list:
     return grads
 
 
-def _not_again(refusal: str, g: torch.Tensor) -> torch.Tensor:
-    """A gather's shard gradient, divided by the plan's factor or summed over replicas: reached where no transform
-    stack shows the two reverse levels to ``check_reverse_levels`` (plain autograd over a torch.func gradient: MAML's
-    meta-gradient by ``loss.backward()`` or ``funcshard.value_and_grad`` over an inner ``torch.func.grad``)."""
-    return refuse_again(refusal, (), (g,))[0] if torch.is_grad_enabled() else g
+# ---- a gather's divide and replica sum, exact at second order -------------------------------------------------
+#
+# A gather's backward divides the reduce-scattered gradient by the plan's factor D (and sums it over HSDP's replicas):
+# the gradient of the ranks' mean loss. The rule that makes two reverse levels exact: each reverse level divides (and
+# sums over replicas) once on every derivative path through the gathered parameters, as the loss divided by D would.
+# The inner level's gradient g = mean(RS(c)) (``_Mean``: the replica sum then the divide, a linear map of the
+# cotangent) is a function of the state; the outer level differentiates it. On a path that reaches g from the outer
+# loss through another gather's backward (MAML: g feeds the adapted state's gather), that gather already divided and
+# summed over replicas, so the transpose of g's ``_Mean`` must not do it again: it is the identity there. On a path
+# that reaches g otherwise (a gradient norm, a gradient penalty, grad(<g, v>): the outer value made from g by the
+# caller's ops and collectives) it is ``_Mean``'s transpose, and the gather that g's graph leads back to divides.
+# Which of the two a backward pass has is read from the graph: a gather whose input depends on a ``_Mean``'s output
+# (``watch_means``) hooks the nodes between them, which record the cotangents the gathers send; at the ``_Mean`` the
+# received cotangent equal to the recorded sum is the first kind, none recorded the second, and anything else (both
+# at once) is refused.
+
+_NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradient's _Mean node: "mean"
 
 
-def replica_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` (the same on every rank of ``group``), whose gradient is summed over ``group`` (HSDP's replicas)."""
-    return _CotangentMap.apply(x, lambda g: _Collective.apply(g, "all_reduce", group))
+class _Paths:
+    """The nodes between gathers and the ``_Mean``s their inputs depend on, and per backward pass (graph task) the
+    cotangents the gathers sent through them (``rec``), what each received (``how``: "gathers", "other", "mixed",
+    "batched") and those that a "mixed" one sent to (``mixed``)."""
+
+    def __init__(self):
+        self.watched: set = set()
+        self.task, self.rec, self.how, self.mixed = None, {}, {}, set()
+
+    def state(self) -> _Paths:
+        task = current_graph_task_id()
+        if task != self.task:
+            self.task, self.rec, self.how, self.mixed = task, {}, {}, set()
+        return self
 
 
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """``x``, whose gradient is divided by ``factor`` (at every order)."""
-    return x if factor == 1.0 else _CotangentMap.apply(x, lambda g: g / factor)
+def _same(got: torch.Tensor, parts: list) -> bool:
+    """Whether the cotangent ``got`` is exactly the sum of the recorded ``parts`` (autograd's order of accumulation)."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return got is not None and got.shape == total.shape and torch.equal(got, total)
+
+
+def _classify(paths: _Paths, node):
+    """A pre-hook of ``node``: what its received cotangents are (``_Paths.how``), for this backward pass."""
+    def pre(grad_outputs):
+        st = paths.state()
+        got = st.rec.pop(node, None)
+        how = "other" if got is None else "gathers"
+        if node in st.mixed:  # (from a node that received both)
+            how = "mixed"
+        elif got is not None and any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or ()):
+            how = "batched"  # (batched cotangents: not compared)
+        elif got is not None:
+            for nr, g in enumerate(grad_outputs):
+                parts = got.get(nr)
+                if (parts is None and g is not None) or (parts is not None and not _same(g, parts)):
+                    how = "mixed"
+        st.how[node] = how
+        if getattr(node, _NODE, None) == "mean":
+            node._funcshard_how = (st.task, how)
+    return pre
+
+
+def _record(paths: _Paths, node, always: bool):
+    """A hook of ``node``: record what it sends on to watched nodes where it received gathers' cotangents only
+    (``always``: a gather's own node)."""
+    def post(grad_inputs, grad_outputs):
+        st = paths.state()
+        how = "gathers" if always else st.how.get(node)
+        for (nxt, nr), g in zip(node.next_functions, grad_inputs):
+            if g is not None and nxt is not None and nxt in paths.watched:
+                if how == "gathers":
+                    st.rec.setdefault(nxt, {}).setdefault(nr, []).append(g)
+                elif how == "mixed":
+                    st.mixed.add(nxt)
+    return post
+
+
+def _grad_fns(tensors) -> list:
+    """The autograd nodes of ``tensors`` at every level under their torch.func wrappers (under ``vmap`` the graph is
+    the unwrapped tensor's)."""
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        while True:
+            if t.grad_fn is not None:
+                out.append(t.grad_fn)
+            if not is_functorch_wrapped_tensor(t):
+                break
+            t = get_unwrapped(t)
+    return out
+
+
+def _toward_means(tensors) -> dict:
+    """The autograd nodes of ``tensors``' history, each with whether a gradient's ``_Mean`` is reached from it without
+    crossing a gather's node (a ``_Mean`` maps to True; the walk stops at both)."""
+    leads: dict = {}
+    todo = [(n, False) for n in _grad_fns(tensors)]
+    while todo:
+        n, done = todo.pop()
+        if done:
+            leads[n] = any(leads.get(m, False) for m, _ in n.next_functions if m is not None)
+        elif n not in leads:
+            kind = getattr(n, _NODE, None)
+            leads[n] = kind == "mean"
+            if kind is None:
+                todo.append((n, True))
+                todo.extend((m, False) for m, _ in n.next_functions if m is not None and m not in leads)
+    return leads
+
+
+def depends_on_gradient(tensors) -> bool:
+    """Whether ``tensors`` were made from a gradient taken through a gather that divides or sums over replicas (the
+    adapted state of MAML): a gather of them must be one that ``watch_means`` hooks (``funcshard.apply`` then runs
+    the traced path, not its runtime)."""
+    return any(v and getattr(n, _NODE, None) == "mean" for n, v in _toward_means(tensors).items())
+
+
+def watch_means(inputs, out: torch.Tensor) -> None:
+    """``out``: a gather's output made from ``inputs``. Where an input depends on a gradient's ``_Mean`` (not through
+    another gather), hook the nodes between them (the section's comment). Nothing where none does (a first-order
+    step: leaves), and nothing under torch.compile."""
+    if torch.compiler.is_compiling() or not (any(t.grad_fn is not None for t in inputs)
+                                              or any(is_functorch_wrapped_tensor(t) for t in inputs)):
+        return
+    leads = _toward_means(inputs)
+    means = [n for n, v in leads.items() if v and getattr(n, _NODE, None) == "mean"]
+    if not means:
+        return
+    keys = [i.key() for i in get_interpreter_stack() or ()]
+    if TransformType.Vmap in keys and TransformType.Grad in keys[keys.index(TransformType.Vmap):]:
+        for m in means:  # (a grad inside vmap: its backward runs on batched cotangents, not compared: refused)
+            m._funcshard_batched = True
+    paths = next((p for p in (getattr(m, "_funcshard_paths", None) for m in means) if p is not None), None) or _Paths()
+    for m in means:
+        other = getattr(m, "_funcshard_paths", None)
+        if other is not None and other is not paths:  # (two gathers' walks met: one record for both)
+            paths.watched |= other.watched
+            other.__dict__ = paths.__dict__
+        m._funcshard_paths = paths
+    new = [n for n, v in leads.items() if v and n not in paths.watched]
+    paths.watched.update(new)
+    for n in new:
+        n.register_prehook(_classify(paths, n))
+        if getattr(n, _NODE, None) != "mean":
+            n.register_hook(_record(paths, n, False))
+    for node in _grad_fns((out,)):
+        node.register_hook(_record(paths, node, True))
+
+
+def _again() -> bool:
+    """Whether the running backward pass is itself differentiated (a third reverse level)."""
+    grads = sum(i.key() == TransformType.Grad for i in get_interpreter_stack() or ())
+    return grads >= 2 if grads else torch.is_grad_enabled()
+
+
+_MIXED = ("the gradient taken through a gather of the state (divided by the plan's factor or summed over HSDP's "
+          "replicas) reaches the outer loss both through another gather (as in MAML: the adapted state gathered "
+          "again) and otherwise (a norm or product of the gradient itself): each path needs the divide once, and the "
+          "two arrive summed. Plan with grad_divide_factor=1.0 and a mesh without a replicate axis (sums over ranks, "
+          "exact at every order; divide the loss by the number of ranks for the mean's), or use funcshard.gather")
+
+
+def _divide_context(ctx, inputs, output, kind: str) -> None:
+    """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
+    ctx.factor, ctx.group, ctx.keep = inputs[1:]
+    setattr(ctx, _NODE, kind)
+
+
+_BATCHED = ("a gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas, fed to "
+            "another gather (as in MAML), differentiated again under vmap (an ensemble or a batch of MAML "
+            "meta-gradients: vmap(grad(...)) over the meta-loss): which paths the batched cotangents took is not "
+            "checked. vmap inside the outer grad (grad(vmap(...)), a meta-batch of tasks) composes; else plan with "
+            "grad_divide_factor=1.0 and a mesh without a replicate axis, or use funcshard.gather")
+
+
+class _Mean(torch.autograd.Function):
+    """A gather's reduce-scattered gradient summed over ``group`` (HSDP's replicas; None: no sum) and divided by
+    ``factor``: a linear map, whose backward is its transpose or the identity (the section's comment; ``keep``: the
+    factor the identity multiplies by, the part of the divide that an earlier ``_Mean`` of the same gather applies);
+    jvp: the same map of the tangent; vmap: elementwise (one collective for the batch)."""
+
+    @staticmethod
+    @untraced
+    def forward(x, factor, group, keep):
+        with no_functorch():
+            y = _ar(x, group, "a gather's gradient all-reduce over the replicate axis") if group is not None else x
+            return y / factor if factor != 1.0 else y
+
+    setup_context = staticmethod(functools.partial(_divide_context, kind="mean"))
+
+    @staticmethod
+    @untraced
+    def backward(ctx, c):
+        mark = getattr(ctx, "_funcshard_how", None)
+        how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
+        if getattr(ctx, "_funcshard_batched", False):
+            how = "batched"
+        elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
+            how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+        if how == "mixed":
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
+        if how == "batched":
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
+        if how == "gathers":
+            if _again():
+                raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
+            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None
+        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep), None, None, None
+
+    @staticmethod
+    @untraced
+    def jvp(ctx, t, *_):
+        return _Mean.apply(t, ctx.factor, ctx.group, ctx.keep)
+
+    @staticmethod
+    @untraced
+    def vmap(info, in_dims, x, factor, group, keep):
+        return _Mean.apply(x, factor, group, keep), in_dims[0]
+
+
+def mean(g: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+    """``g`` summed over ``group`` and divided by ``factor`` as ``_Mean`` (``g`` itself where there is nothing to
+    do): a gather's differentiable gradient divide."""
+    return g if factor == 1.0 and group is None else _Mean.apply(g, factor, group, keep)
+
+
+class _Divided(torch.autograd.Function):
+    """The identity whose backward is ``mean`` of the cotangent (a gather's divide and replica sum, at every order);
+    jvp: the tangent. Its node is a gather's for ``watch_means``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, factor, group, keep):
+        return x.clone()
+
+    setup_context = staticmethod(functools.partial(_divide_context, kind="gather"))
+
+    @staticmethod
+    @untraced
+    def backward(ctx, g):
+        return mean(g, ctx.factor, ctx.group, ctx.keep), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, *_):
+        return t.clone()
+
+
+def divided(x: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+    """``x``, whose gradient is summed over ``group`` and divided by ``factor`` (``_Divided``; ``x`` itself where
+    there is nothing to do)."""
+    if factor == 1.0 and group is None:
+        return x
+    out = _Divided.apply(x, factor, group, keep)
+    watch_means((x,), out)
+    return out
 
 
 def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -467,12 +659,7 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
-    if b.before * b.after != 1.0 or replicate is not None:  # (a gradient of these shards is first order: _not_again)
-        flat = _CotangentMap.apply(flat, functools.partial(
-            _not_again, divided_twice(what, b.before * b.after, replicate is not None)))
-    flat = scale_grad(flat, b.after)
-    if replicate is not None:
-        flat = replica_sum(flat, replicate)
+    flat = divided(flat, b.after, replicate, b.before)
     full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat
-    full = scale_grad(full, b.before).to(b.compute)
+    full = divided(full, b.before).to(b.compute)
     return unflatten(b, full)

@@ -153,7 +153,14 @@ def _local(spec, v: torch.Tensor) -> torch.Tensor:
 class _Gather(torch.autograd.Function):
     """One group's shards -> full parameters, through the group's bucketed pipeline (the plain-autograd path, and a
     flat layout's single transform level). Backward: reduce-scatter (sum), the exact transpose; with
-    ``create_graph=True`` a differentiable one (``_ScatterGrads``: derivatives of any order)."""
+    ``create_graph=True`` a differentiable one (``_ScatterGrads``: derivatives of any order).
+
+    Not ``_primitives.all_gather`` (``_Collective``) per bucket, which every transform and nesting takes instead
+    (``gather_bucket``): this is the first-order path, one autograd node for the whole group whose outputs are the
+    parameters (``_Collective`` would add a concatenation, the collective and a split with a view node per
+    parameter), gathered into and reduce-scattered from the pipeline's communication buffers (``gather_tangents``,
+    ``reduce_scatter_grads``: the buffers ``apply``'s runtime uses, and a ``layout="flat"`` plan, whose shards are
+    pieces of one buffer, not a parameter's rows, which ``gather_bucket`` does not take)."""
 
     @staticmethod
     def forward(layout: Buckets, pg, rank: int, *shards: torch.Tensor):

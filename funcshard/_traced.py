@@ -58,17 +58,15 @@ import torch
 
 from funcshard._primitives import (
     Bucket,
-    refuse_again,
-    all_reduce,
     bucket_param,
     check_backward_transforms,
     check_batched_grads,
-    check_reverse_levels,
-    divided_twice,
     gather_bucket,
+    mean,
     reduce_scatter,
     unflatten,
     untraced,
+    watch_means,
 )
 from funcshard._compat import (c10d_functional, get_dynamic_layer_stack_depth, get_interpreter_stack,
                                is_functorch_wrapped_tensor)
@@ -149,7 +147,14 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     """One bucket's all-gather: ``(*shards) -> (world * n,)`` rank-major, the shards cast to the compute dtype;
-    backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring)."""
+    backward: the reduce-scatter of the reduced parameters' gradients (see the module docstring).
+
+    Not ``_primitives.all_gather`` (``_Collective``), which ``_composed`` uses under transforms of the state: this
+    one is traced (``c10d_functional`` ops, which dynamo and inductor take into the step's graph, bucket, reorder and
+    tag ``MUST_RECOMPUTE`` for the re-gather of resharded groups), while ``_Collective`` runs raw c10d calls on
+    plain tensors and is never traced (``untraced``: a graph break). Its backward reduce-scatters only the shards
+    being differentiated (frozen ones cost no traffic); under ``create_graph=True`` it reduce-scatters with the
+    differentiable primitives and divides with ``_primitives.mean`` (exact at second order)."""
 
     @staticmethod
     def forward(b: Bucket, *shards: torch.Tensor) -> torch.Tensor:
@@ -161,6 +166,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.bucket = inputs[0]
+        ctx._funcshard_node = "gather"  # (for _primitives.watch_means)
 
     @staticmethod
     def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
@@ -183,32 +189,25 @@ class _Gather(torch.autograd.Function):
         reduced = [i for i in range(len(b.params)) if ctx.needs_input_grad[1 + i]]
         cols = grad.view(b.world, -1).split([p.numel for p in b.params], dim=1)
         inp = torch.cat([cols[i] for i in reduced], dim=1).to(b.reduce)  # (world, reduced elements)
-        if b.before != 1.0:
-            inp = inp / b.before
-        out = inp.reshape(-1)
-        create_graph = not compiling and grad.requires_grad and torch.is_grad_enabled()
-        first_order = b.before * b.after != 1.0 or b.replicate_group is not None  # (check_reverse_levels' rule)
-        if create_graph and not first_order:
-            # the differentiable collectives (their backward is the gather again: any order)
+        if not compiling and grad.requires_grad and torch.is_grad_enabled():
+            # create_graph=True: the differentiable collectives and divide (_primitives.mean: exact at second order)
             pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
-            if b.world > 1:
-                out = reduce_scatter(out, pg)
-            if rep is not None:
-                out = all_reduce(out, rep)
+            out = mean(inp, b.before).reshape(-1)
+            out = mean(reduce_scatter(out, pg) if b.world > 1 else out, b.after, rep, b.before)
         else:
+            if b.before != 1.0:
+                inp = inp / b.before
+            out = inp.reshape(-1)
             with torch.no_grad():  # (torch 2.13 registers autograd for these ops with a Function that torch.func's
                 if b.world > 1:    # transforms refuse; first order needs none)
                     out = _wait(c10d_functional.reduce_scatter_tensor(out, "sum", b.world, b.shard_group))
                 if b.replicate_group is not None:
                     out = _wait(c10d_functional.all_reduce(out, "sum", b.replicate_group))
-        if b.after != 1.0:
-            out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
+            if b.after != 1.0:
+                out = out / b.after  # (in the reduce dtype, then the cast: FSDP2's order)
         grads: list[torch.Tensor | None] = [None] * len(b.params)
         for i, piece in zip(reduced, out.split([b.params[i].numel for i in reduced])):
             grads[i] = piece.to(b.params[i].dtype).view(b.params[i].local_shape)
-        if create_graph and first_order:  # right values, refused if differentiated again
-            refusal = divided_twice(_WHAT, b.before * b.after, b.replicate_group is not None)
-            grads = refuse_again(refusal, (grad,), grads)
         return None, *grads
 
 
@@ -232,7 +231,9 @@ def _recompute_context():
 
 def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
-        return unflatten(b, _Gather.apply(b, *shards))
+        full = _Gather.apply(b, *shards)
+        watch_means(shards, full)  # (a leaf state, the first-order step's: nothing)
+        return unflatten(b, full)
     # (nothing to differentiate, e.g. a frozen group: the all-gather alone; dynamo mis-passes the arguments of a
     # setup_context-style Function none of whose inputs requires grad inside a checkpoint)
     return unflatten(b, _Gather.forward(b, *shards))
@@ -270,14 +271,12 @@ def _named(out: dict[str, torch.Tensor], b: Bucket, params) -> None:
 @untraced
 def _composed(plan: Plan, state: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     """``gathered`` under a torch.func transform of the state: each bucket by the primitives' gather
-    (``gather_bucket``: every transform and nesting composes), after ``check_reverse_levels``. Never traced
+    (``gather_bucket``: every transform and nesting composes). Never traced
     (``untraced``): dynamo cannot break a transform's body, so under ``torch.compile`` this graph break makes it run
     the transform eagerly (before: the c10d functional gather on dynamo's GradTrackingTensors, a torch error; a
     compiled grad of grad would have dropped the second-order term, the compiled backward being first order), and
     ``fullgraph=True`` refuses it naming ``_primitives._UNTRACED``'s way out."""
     pg, rep = plan.shard_group()[0], plan.replicate_group()
-    for g in plan.groups:
-        check_reverse_levels(what, plan.divide_factor_of(g), rep is not None)
     out: dict[str, torch.Tensor] = {}
     for b in layout(plan).buckets:
         _named(out, b, gather_bucket(b, [state[p.path] for p in b.params], pg, rep, what))
@@ -299,13 +298,14 @@ def traced_apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kw
     ``jacfwd``, ``hessian``), each bucket is gathered by the differentiable collectives
     (``_primitives.gather_bucket``); a ``create_graph=True`` backward under plain autograd reduce-scatters with them
     (differentiable again). Any transform of the inputs alone is the unsharded module's. The plan's divide factor
-    is applied at each gather's backward, which is the mean's gradient at one reverse level only: with a factor
-    other than 1 (the default: the number of data-parallel ranks, at W > 1), two reverse levels (``grad(grad(...))``,
-    MAML, ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are refused
-    (``NotImplementedError`` naming the transform stack and ``grad_divide_factor=1.0``, with which every order is
-    exact: gradients are sums over ranks). Under ``torch.compile`` a transform of the state through it runs eagerly
-    (the composable gather is a graph break inside it, so dynamo runs the transform eagerly: right, not compiled), and
-    ``fullgraph=True`` refuses it naming the way out. Memory, not compiled: every group's unsharded parameters live
+    (and HSDP's replica sum) is applied once per reverse level on every derivative path through the gathered
+    parameters (``_primitives._Mean``; docs/transforms.md), so two reverse levels (``grad(grad(...))``, MAML,
+    ``jacrev(jacrev(...))``, a ``create_graph=True`` gradient differentiated again) are exact with any factor;
+    refused (``NotImplementedError``): one inner gradient reaching the outer loss both through a gather and
+    otherwise, or fed to a gather and differentiated twice more, with a factor other than 1 or over HSDP. Under
+    ``torch.compile`` a transform of the state through it runs eagerly (the composable gather is a graph break inside
+    it, so dynamo runs the transform eagerly: right, not compiled), and ``fullgraph=True`` refuses it naming the way
+    out. Memory, not compiled: every group's unsharded parameters live
     from forward to backward (autograd saves them), for as long as the outermost transform needs them (a nested
     transform keeps them until it returns); the selective checkpoint that re-gathers resharded groups in backward
     is the compiled path's only.

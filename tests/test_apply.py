@@ -621,7 +621,7 @@ def _transforms():
         try:
             nested()
             msgs.append("no error")
-        except NotImplementedError as e:
+        except (NotImplementedError, RuntimeError) as e:
             msgs.append(str(e))
     return same, func_mem.peak / autograd_mem.peak, msgs
 
@@ -632,9 +632,10 @@ def test_first_order_transforms_and_nested_refusal():
     # torch.func.grad keeps the gradient graph (create_graph=True); apply cuts it at group boundaries, so its
     # peak stays near plain autograd's (torch.func alone on the unsharded model: about 2x)
     assert ratio < 1.25, ratio
-    # nested: apply runs the traced path, which composes (values: tests/test_transforms.py), but refuses a second
-    # reverse level through the plan's divide factor; gather composes
-    assert re.search(r"funcshard\.apply under grad\(grad\(\.\.\.\)\) with a gradient divide factor of 2", msgs[0])
+    # nested: apply runs the traced path, which composes (values: tests/test_transforms.py; a second reverse level
+    # too, with the plan's divide factor: here it reaches torch's attention, which has no double backward on CPU, as
+    # the unsharded model would); gather composes
+    assert re.search(r"derivative for aten::_scaled_dot_product\w*_backward is not implemented", msgs[0]), msgs[0]
     assert msgs[1] == msgs[2] == msgs[4] == "no error"
     assert re.search(r"the backward of funcshard\.apply ran under vmap .* batched cotangents .* not built yet", msgs[3])
 

@@ -229,13 +229,17 @@ def _paths(m, mesh, kw, compute=None):
     }
 
 
-SECOND_REVERSE = ("grad_gnorm", "autograd_double", "maml", "autograd_maml", "func_then_autograd_maml")  # two reverse
-# levels (the last: plain autograd over a torch.func gradient; before, on a divide factor W: 1.2e-2 off at W=2, silent)
-_DIVIDED = r"{}.*divide factor of {}: each gather's backward divides.*grad_divide_factor=1\.0"
+# two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
+# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but on apply's
+# runtime (below) and where one inner gradient reaches the outer loss both through a gather and otherwise
+# (maml_and_gnorm: MAML's step plus that same gradient's norm)
+SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
+                  "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+MIXED = ("maml_and_gnorm",)
+_BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
+_THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
+_MIXED = r"reaches the outer loss both through another gather \(as in MAML.*grad_divide_factor=1\.0"
 _APPLY_JACREV = r"the backward of funcshard\.apply ran under vmap .*jacrev"
-
-
-_REPLICAS = r"{}.*over HSDP: the gradient's sum over HSDP's replicate axis .* would be taken again"
 
 
 def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
@@ -244,11 +248,13 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
         return _APPLY_JACREV
     if path in ("apply", "apply_sum") and row in (*APPLY_CREATE_GRAPH, "func_then_autograd_maml"):  # (the runtime's
         return _APPLY_SECOND  # first-order backward; the last: its torch.func.grad gradient, differentiated below)
-    if hsdp and path != "gather" and row in SECOND_REVERSE:
-        return (_DIVIDED if path in ("traced", "apply") else _REPLICAS).format(
-            f"funcshard\\.{'apply' if path.startswith('apply') else 'traced_apply'}", world)
-    if world > 1 and path in ("traced", "apply") and row in SECOND_REVERSE:
-        return _DIVIDED.format(f"funcshard\\.{'apply' if path == 'apply' else 'traced_apply'}", world)
+    divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
+    if row in MIXED and divides:
+        return _MIXED
+    if row == "maml3" and divides:
+        return _THIRD
+    if row == "ensemble_maml" and divides:
+        return _BATCHED
     return None
 
 
@@ -324,6 +330,19 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         maml(f, grad(f), LR)(s).backward()
         return {k: t.grad for k, t in s.items()}
 
+    def ref_maml(p):
+        return maml(ref, lambda q: scaled(grad(ref)(q)), LR)(p)
+
+    def dot(gs, vs, over):  # <g, v>: the local sums, all-reduced over the shard axis (``over``) or not
+        d = sum((t * vs[k]).sum() for k, t in gs.items())
+        return funcshard.all_reduce(d, plan.mesh) if over else d
+
+    def maml_and_gnorm(fn, gfn, norm):  # MAML's outer loss plus the squared norm of the same inner gradient
+        def outer(p):
+            gs = gfn(p)
+            return fn({k: p[k] - LR * gk for k, gk in gs.items()}) + norm(gs)
+        return outer
+
     vec = lambda s: sharded(s, x).sum(0)  # noqa: E731
     ref_vec = lambda p: call(p, x).sum(0)  # noqa: E731
     return {
@@ -340,6 +359,27 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "autograd_maml": (autograd_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
+                     lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
+        "maml_gnorm": (lambda: grad(lambda s: maml(f, grad(f), LR)(s) + gnorm(s))(state),  # (two inner gradients)
+                       lambda: sh(scaled(grad(lambda p: ref_maml(p) + ref_gnorm(p))(full)))),
+        "maml_and_gnorm": (lambda: grad(maml_and_gnorm(f, grad(f), lambda gs: dot(gs, gs, True)))(state),
+                           lambda: sh(scaled(grad(maml_and_gnorm(ref, lambda q: scaled(grad(ref)(q)),
+                                                                 lambda gs: dot(gs, gs, False)))(full)))),
+        "maml_two_calls": (lambda: grad(maml(lambda q: f(q) + f(q, vx), grad(f), LR))(state),  # (the adapted state
+                           lambda: sh(scaled(grad(maml(lambda q: ref(q) + ref(q, vx),  # gathered twice)
+                                                       lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
+                  lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
+        "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)),
+                                                                   LR)(s))(xs.view(2, 3, 4)).sum())(state),
+                       # (vmap between the levels: a meta-batch of two tasks)
+                       lambda: sh(scaled(grad(lambda p: vmap(lambda xi: maml(
+                           lambda q: ref(q, xi), lambda q: scaled(grad(lambda r: ref(r, xi))(q)), LR)(p))(
+                           xs.view(2, 3, 4)).sum())(full)))),
+        "ensemble_maml": (lambda: vmap(grad(maml(f, grad(f), LR)))(stacked),
+                          lambda: sh_batched(scaled(vmap(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR)))(
+                              full_members)), len(members))),
         "hvp": (lambda: jvp(grad(f), (state,), (Vs,)),
                 lambda: tuple(sh(scaled(t)) for t in jvp(grad(ref), (full,), (V,)))),
         "ensemble": (lambda: vmap(f)(stacked), lambda: vmap(ref)(full_members)),
@@ -353,12 +393,15 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
     }
 
 
-def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
+def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, every=True):
+    """``hsdp``: True, every rank a replica (shards of one rank: the replica sum alone); or a (replicas, shards)
+    mesh shape. ``every``: with ``names`` None, also ``SECOND_ROWS``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    W = dist.get_world_size()  # HSDP: every rank a replica (shards of one rank: the replica sum alone)
-    mesh = (init_device_mesh("cpu", (W, 1), mesh_dim_names=("replicate", "shard")) if hsdp
+    W = dist.get_world_size()
+    shape = (W, 1) if hsdp is True else hsdp
+    mesh = (init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) if hsdp
             else init_device_mesh("cpu", (W,)))
     res = {}
     for pname, kind in _plans(_model(), mesh).items():
@@ -368,7 +411,8 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
             if paths is not None and path not in paths:
                 continue
             for name, (got, want) in _table_rows(plan, out, c, kind.frozen, kind.compute).items():
-                if (name not in names) if names else (path.startswith("apply") and name in APPLY_CREATE_GRAPH):
+                if (name not in names) if names else (name in ONLY_NAMED or (name in SECOND_ROWS and not every)
+                                                      or (path.startswith("apply") and name in APPLY_CREATE_GRAPH)):
                     continue
                 key = f"{path}/{pname}/{name}"
                 try:
@@ -383,6 +427,9 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None):
     return res
 
 
+ROWS = 19  # (_table_rows, but ONLY_NAMED)
+ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
+SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
 APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
 
 
@@ -410,12 +457,30 @@ def test_table(world):
     fp32 against the same transform of the unsharded module, 1e-6. Refused (``_refused``): two reverse levels
     through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
-    for res in run_ranks(world, _table, plans):
-        assert len(res) == len(plans) * (5 * 14 - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+    every = world == 4  # (the default suite: SECOND_ROWS in test_second_order_rows)
+    rows = ROWS - (0 if every else len(SECOND_ROWS))
+    for res in run_ranks(world, _table, plans, None, False, None, every):
+        assert len(res) == len(plans) * (5 * rows - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
         _check_table(res, world)
-    if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: replica_sum)
-        for res in run_ranks(world, _table, ("root",), None, True):
+    if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: _primitives.divided)
+        for res in run_ranks(world, _table, ("root",), None, True, None, every):
             _check_table(res, world, hsdp=True)
+
+
+@pytest.mark.parametrize("world,hsdp", [(2, False), pytest.param(2, True, marks=pytest.mark.slow),
+                                        pytest.param(1, False, marks=pytest.mark.slow)])
+def test_second_order_rows(world, hsdp):
+    """The table's second-order rows added with the divide factor made exact (default suite: W=2, the root plan,
+    traced_apply and apply with the plan's factor; slow: every path, both plans, HSDP (2, 1) and W=1; W=4 in
+    test_table): grad of <grad, v> (an HVP by reverse over reverse), MAML plus the norm of another inner gradient,
+    MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
+    calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
+    paths arrive summed)."""
+    quick = world == 2 and not hsdp
+    plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
+    for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
+        assert len(res) == len(plans) * len(paths or range(5)) * len(SECOND_ROWS), sorted(res)
+        _check_table(res, world, hsdp)
 
 
 OTHER_PLANS = ("nested", "tied", "frozen", "bf16")
@@ -435,9 +500,30 @@ def test_table_over_plans(world, quick):
     ``-m slow``."""
     names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
     for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
-        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * 14 - 2 * len(APPLY_CREATE_GRAPH)
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)
         assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
         _check_table(res, world)
+
+
+@pytest.mark.parametrize("paths", [("traced",),
+                                   pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
+def test_third_reverse_level(paths):
+    """MAML's meta-gradient differentiated again (grad of its squared norm: three reverse levels, the inner gradient
+    fed to a gather), and MAML under vmap over stacked states (an ensemble): refused on a gather that divides
+    (traced_apply, apply's traced path, W=2), exact with factor 1 and on gather (slow: third order)."""
+    for res in run_ranks(2, _table, ("root",), ONLY_NAMED, False, paths):
+        assert len(res) == len(paths) * len(ONLY_NAMED), sorted(res)
+        _check_table(res, 2)
+
+
+@pytest.mark.slow
+def test_table_hsdp_2x2():
+    """Two reverse levels (and the first-order rows they build on) over an HSDP (2, 2) mesh at W=4, every path, on
+    the root and per-block plans: the replicas' sum and the plan's divide taken once per level."""
+    rows = ("grad", "vmap_grad", "hvp", *SECOND_REVERSE)
+    for res in run_ranks(4, _table, ("root", "per_block"), rows, (2, 2), timeout=600):
+        assert len(res) == 2 * 5 * len(rows), sorted(res)
+        _check_table(res, 4, hsdp=True)
 
 
 def _apply_create_graph():
@@ -833,16 +919,6 @@ def test_optim_and_value_and_grad_under_transforms_refuse():
 
 STACK_PATHS = ("gather", "traced", "traced_sum", "apply", "apply_sum")
 STACK_PLANS = ("root", "per_block", "nested", "tied", "frozen")
-STACK_REFUSED = r"{}.*divide factor of {}: each gather's backward divides.*grad_divide_factor=1\.0"
-
-
-def _stack_refusal(stack: str, path: str, world: int) -> str | None:
-    """The refusal (a regex) a stack of G (grad), J (jvp), V (vmap) gets on a path; None: right."""
-    if world > 1 and path in ("traced", "apply") and stack.count("G") >= 2:
-        return STACK_REFUSED.format("funcshard\\." + ("apply" if path == "apply" else "traced_apply"), world)
-    return None
-
-
 def _scalar(out) -> torch.Tensor:
     return sum(torch.sin(t).sum() for t in torch.utils._pytree.tree_leaves(out))
 
@@ -917,15 +993,9 @@ def _state_stacks(cases):
 
 
 def _check_stacks(res, world):
-    import re
-
+    """Every stack right on every path (before: two reverse levels refused on a divided gather at W > 1)."""
     for key, got in res.items():
-        stack, path, _ = key.split("/")
-        want = _stack_refusal(stack, path, world)
-        if want is None:
-            assert got is True, (key, got)
-        else:
-            assert isinstance(got, str) and got.startswith("NotImplementedError: ") and re.search(want, got), (key, got)
+        assert got is True, (key, got)
 
 
 _CASES = st.lists(st.tuples(st.text("GJV", min_size=1, max_size=3), st.sampled_from(STACK_PATHS),
@@ -943,8 +1013,8 @@ def _drawn_stacks(world, cases):
 def test_drawn_stacks(cases):
     """Hypothesis draws transform stacks of grad / jvp / vmap of depth 1 to 3 over sharded state, a path (gather,
     traced_apply and apply, with the plan's factor and with 1) and a plan (root, per block, nested, tied, frozen), at
-    W=2: each equals the same stack of the unsharded module (float64, 1e-9) or raises the named refusal (two reverse
-    levels through a divided gather). Three draws here; more, and W=1 and 4, under slow; measured beforehand: all 39
+    W=2: each equals the same stack of the unsharded module (float64, 1e-9; before, two reverse levels through a
+    divided gather were refused). Three draws here; more, and W=1 and 4, under slow; measured beforehand: all 39
     stacks on every path (root and per-block plans) and on gather and apply_sum (nested, tied, frozen) at W=2."""
     _drawn_stacks(2, cases)
 
@@ -997,6 +1067,17 @@ def _compiled_nested():
         a = torch.utils._pytree.tree_leaves(fn(state))
         b = torch.utils._pytree.tree_leaves(torch.compile(fn, backend="aot_eager")(state))
         out[name] = len(a) == len(b) > 0 and all(torch.equal(p, q) for p, q in zip(a, b))
+    losses = {"traced": f, "apply": lambda s: funcshard.apply(plan, s, x).pow(2).mean(),
+              "gather": lambda s: torch.func.functional_call(m, funcshard.gather(plan, s), (x,)).pow(2).mean()}
+    for name, loss in losses.items():  # torch.func.grad(torch.compile(loss)): dynamo runs it eagerly, or refuses
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            try:
+                got = grad(torch.compile(loss, backend="aot_eager", fullgraph=fullgraph))(state)
+                want = grad(loss)(state)
+                out["grad_of_compiled", name, fullgraph] = all(torch.equal(got[k], t) for k, t in want.items())
+            except Exception as e:  # (dynamo's Unsupported: the test reads its text)
+                out["grad_of_compiled", name, fullgraph] = f"{type(e).__name__}: {e}"
     torch._dynamo.reset()
     return out
 
@@ -1005,8 +1086,15 @@ def _compiled_nested():
 def test_compiled_nested_transforms():
     """torch.compile over a function that runs traced_apply under vmap(grad), grad(grad), jvp(grad) or grad: right
     (dynamo runs the transform eagerly at the composable gather's graph break: the same values as eagerly, bit for
-    bit; before, a torch error on dynamo's GradTrackingTensors), and fullgraph=True refuses naming the way out."""
+    bit; before, a torch error on dynamo's GradTrackingTensors), and fullgraph=True refuses naming the way out.
+    ``torch.func.grad(torch.compile(loss))`` over traced_apply, apply and gather: the eager gradient bit for bit
+    (dynamo runs the loss eagerly under the outer transform), and with fullgraph=True torch's own refusal naming the
+    way out (wrap the transform in torch.compile too)."""
     for out in run_ranks(2, _compiled_nested, timeout=600):
+        for path in ("traced", "apply", "gather"):
+            assert out["grad_of_compiled", path, False] is True, out
+            assert re.search(r"^Unsupported: .*torch\.func\.grad\(compiled_fn\) function from eager mode is not "
+                             r"supported", out["grad_of_compiled", path, True], re.S), out
         assert all(out[k] is True for k in ("vmap_grad", "grad_grad", "jvp_grad", "grad", "gather_vmap_grad",
                                             "apply_vmap_grad")), out
         assert out["fullgraph"].startswith("Unsupported: ") and re.search(

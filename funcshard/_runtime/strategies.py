@@ -587,8 +587,8 @@ _SECOND_ORDER = (
     "differentiated by plain autograd; grad of a gradient, MAML, a Hessian-vector product): apply's runtime reduce-scatters the gradient outside autograd, so the terms through the "
     "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
     "returned. For second order run the same loss with funcshard.traced_apply or funcshard.gather + "
-    "torch.func.functional_call (their collectives are differentiable at any order; plan with grad_divide_factor=1.0 "
-    "at W > 1), or under torch.func.grad(grad(...)), where apply runs the traced path itself")
+    "torch.func.functional_call (their collectives are differentiable at any order), or under "
+    "torch.func.grad(grad(...)), where apply runs the traced path itself")
 
 
 def _second_order_dep(cotangents) -> torch.Tensor | None:
