@@ -16,7 +16,7 @@ the same global batch, and exposes ``step() -> local loss`` (one forward, backwa
                   has it); the planned module lives on the meta device (the idiomatic memory-lean setup: only
                   the shards hold data)
 * ``fs_apply_torchfunc`` the same under ``torch.func.grad_and_value`` (the path that composes with other
-                  torch.func transforms; it pays torch.func's per-op wrapping and keeps the graph's saved
+                  torch.func transforms; it pays torch.func's per-op wrapping and keeps the loss's saved
                   tensors until backward ends, as it differentiates with create_graph=True)
 * ``fs_fully_shard`` ``funcshard.fully_shard`` (FSDP2's module API) on each Block, then on the root, when it
                   exists; ``torch.optim.AdamW(foreach=True)``
