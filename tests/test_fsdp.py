@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import funcshard
+from funcshard.fsdp._units import READ_AT_USE, ctx_of, unit_of
 from models import GPT, MLP, Block, EditsFrozen, FailOnce, ReversedMLP, ScheduleLog
 from multirank import run_ranks
 
@@ -571,7 +572,23 @@ def _schedule():
                 if keep:
                     mod.set_reshard_after_backward(k == 2)
 
-            step(model_with(), log, micro=3, each=each)
+            m = model_with()
+            step(m, log, micro=3, each=each)
+            if not keep:  # the sync setting is read where it is used: toggling it derives no plan again
+                plan = ctx_of(unit_of(m)).plan()
+                m.set_requires_gradient_sync(False)
+                m.set_requires_gradient_sync(True)
+                out["sync_keeps_plan"] = ctx_of(unit_of(m)).plan() is plan
+                ctx = ctx_of(unit_of(m))  # and the plan reads none of them: derived again, it is the same
+                for u in ctx.units:
+                    for k, v in {"sync": False, "reduce_unused": True, "all_reduce": False,
+                                 "all_reduce_hook": lambda t: None}.items():
+                        setattr(u, k, v)
+                ctx.settings_changed()
+                new = ctx.plan()  # (a Plan compares by identity: field by field)
+                changed = [f.name for f in dataclasses.fields(new)
+                           if f.compare and getattr(new, f.name) != getattr(plan, f.name)]
+                out["read_at_use_not_in_plan"] = (sorted(READ_AT_USE), new is not plan, changed)
         for flag in (True, False):
             torch.manual_seed(0)
             g = GPT(vocab=32, d=16, heads=2, layers=2, seq=8)
@@ -703,6 +720,8 @@ def test_settings_change_the_schedule():
     assert out["set_rsf_true"] == [(8, 4)]
     assert out["no_sync"] == [(7, 0), (7, 0), (7, 4)]  # reduce-scatter only on the synced microbatch
     assert out["no_sync_keep_unsharded"] == [(7, 0), (3, 0), (3, 4)]  # parameters kept from the last backward
+    assert out["sync_keeps_plan"] is True
+    assert out["read_at_use_not_in_plan"] == (["all_reduce", "all_reduce_hook", "reduce_unused", "sync"], True, [])
     assert out["reduce_scatter_overlap"] == ["bwd blocks.2", "rs", "bwd blocks.1", "RS taken", "rs",
                                              "bwd blocks.0", "RS taken", "rs", "RS taken", "rs", "RS taken"], \
         out["reduce_scatter_overlap"]  # blocks.2, .1, .0, then the root (its input layer runs last)

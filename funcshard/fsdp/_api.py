@@ -52,6 +52,7 @@ from funcshard._tree import module_io_map_only
 from funcshard.fsdp._sink import _Param
 from funcshard.fsdp._units import (
     _OWNER,
+    READ_AT_USE,
     UNIT,
     FSDPState,
     _resync,
@@ -222,7 +223,7 @@ class FSDPModule:
         for u in units.values():
             for k, v in settings.items():
                 setattr(u, k, v)
-            if u.ctx is not None:
+            if u.ctx is not None and not READ_AT_USE.issuperset(settings):
                 u.ctx.settings_changed()
 
     @_no_inference_tensors

@@ -31,6 +31,11 @@ _OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the
 FSDP_CLASSES: dict[type, type] = {}  # a module class -> its FSDP<Cls> subclass
 
 
+# unit settings read where they are used (``GradSink``), none of them in the plan (``_Context.plan``): setting them
+# derives no plan again (``set_requires_gradient_sync`` runs twice a step under gradient accumulation)
+READ_AT_USE = frozenset({"sync", "reduce_unused", "all_reduce", "all_reduce_hook"})
+
+
 class _Unit:
     """The modules of one ``fully_shard`` call, their parameters, and the unit's settings."""
 
