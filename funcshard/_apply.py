@@ -97,21 +97,22 @@ def _traced_runs(plan: Plan) -> bool:
 
 
 def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
-    """Under one torch.func level, whether ``state`` was made from a gradient taken through the gathers (MAML's
-    adapted state): its second derivative needs the traced path's gather (``_primitives.watch_means``), so apply runs
-    that path; refused where the traced mode does not run the plan. A leaf state under grad (a first-order step) is
-    not walked."""
+    """Under one torch.func level or none (plain autograd), whether ``state`` was made from a gradient taken through
+    the gathers (MAML's adapted state): its second derivative needs the traced path's gather
+    (``_primitives.watch_means``; the runtime's would divide again), so apply runs that path; refused where the traced
+    mode does not run the plan. A leaf state (a first-order step) is not walked."""
     stack = get_interpreter_stack()
-    if not stack or len(stack) != 1:
+    if stack and len(stack) != 1:
         return False
-    made = stack[0].key() == TransformType.Jvp
+    made = bool(stack) and stack[0].key() == TransformType.Jvp  # (no stack: plain autograd over such a state)
     for t in state.values():
         made = made or (isinstance(t, torch.Tensor) and t.grad_fn is not None)
     if not made or not depends_on_gradient(state.values()):
         return False
     if not _traced_runs(plan):
         raise NotImplementedError(
-            f"funcshard.apply under {transform_stack(stack)} of a state made from a gradient taken through a gather "
+            f"funcshard.apply under {transform_stack(stack) if stack else 'plain autograd'} of a state made from a "
+            f"gradient taken through a gather "
             f"(MAML's adapted state): its second derivative needs the traced path, which does not run this plan "
             f"({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
             f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")

@@ -78,6 +78,11 @@ def checkpoint_saved_hooks(hooks: tuple | None) -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
+# whether saved-tensor hooks may be pushed (False inside torch.autograd.graph.disable_saved_tensors_hooks: aot_autograd's
+# runtime wrappers and dynamo's distributed backend use it too)
+saved_tensors_hooks_enabled = require("torch._C._autograd._saved_tensors_hooks_is_enabled")
+
+
 # ---- kernels --------------------------------------------------------------------------------------------
 chunk_cat = require("torch._chunk_cat")  # the padded rank-major concatenation of chunks, in one op
 unflatten_dense_tensors = require("torch._C._nn.unflatten_dense_tensors")  # views of a flat tensor
@@ -304,7 +309,7 @@ __all__ = [
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks", "storage_key",
-    "checkpoint_saved_hooks",
+    "checkpoint_saved_hooks", "saved_tensors_hooks_enabled",
     "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",
     "foreach_addcmul_", "foreach_copy_",
     "foreach_div", "foreach_div_", "foreach_lerp", "foreach_lerp_", "foreach_mul", "foreach_mul_", "foreach_norm",

@@ -423,6 +423,19 @@ def watch_means(inputs, out: torch.Tensor) -> None:
         node.register_hook(_record(paths, node, True))
 
 
+def refuse_unwatched(inputs) -> None:
+    """A gather that neither divides nor sums over replicas (a summing one: ``funcshard.gather``'s, a plan's with
+    ``grad_divide_factor=1.0``, ``funcshard.all_gather``) is not watched: where one of ``inputs`` depends on a
+    gradient's ``_Mean``, mark that ``_Mean``, whose backward then refuses rather than taking its transpose (which
+    would divide a second time on that path). Nothing where no input has a history (a first-order step)."""
+    if torch.compiler.is_compiling() or not (any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in inputs)
+                                              or any(is_functorch_wrapped_tensor(t) for t in inputs)):
+        return
+    for n, v in _toward_means(inputs).items():
+        if v and getattr(n, _NODE, None) == "mean":
+            n._funcshard_unwatched = True
+
+
 def _again() -> bool:
     """Whether the running backward pass is itself differentiated (a third reverse level)."""
     grads = sum(i.key() == TransformType.Grad for i in get_interpreter_stack() or ())
@@ -440,6 +453,14 @@ def _divide_context(ctx, inputs, output, kind: str) -> None:
     """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
     ctx.factor, ctx.group, ctx.keep = inputs[1:]
     setattr(ctx, _NODE, kind)
+
+
+_UNWATCHED = ("the gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas "
+              "is gathered again by a gather that does neither (funcshard.gather, funcshard.all_gather, a plan with "
+              "grad_divide_factor=1.0 and no replicate axis, or funcshard.apply's runtime under plain autograd): that "
+              "second derivative is not checked. Gather the adapted state with the same kind of plan as the inner "
+              "gradient's (traced_apply, or apply under torch.func), or plan both with grad_divide_factor=1.0 and a "
+              "mesh without a replicate axis (sums over ranks, exact at every order)")
 
 
 _BATCHED = ("a gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas, fed to "
@@ -473,6 +494,8 @@ class _Mean(torch.autograd.Function):
             how = "batched"
         elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
             how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+        if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
         if how == "mixed":
             raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
         if how == "batched":
@@ -552,6 +575,7 @@ def all_gather(x: torch.Tensor, group=None) -> torch.Tensor:
     Returns:
         Every rank's ``x`` concatenated along dim 0 (``world * x.shape[0]`` rows), in rank order.
     """
+    refuse_unwatched((x,))
     return _Collective.apply(x, "all_gather", _group_of(group))
 
 
@@ -659,6 +683,8 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
+    if b.after == 1.0 and replicate is None and b.before == 1.0:  # (a summing gather: not watched)
+        refuse_unwatched(shards)
     flat = divided(flat, b.after, replicate, b.before)
     full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat
     full = divided(full, b.before).to(b.compute)

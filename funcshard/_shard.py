@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from funcshard._collectives import no_functorch, raw
 from funcshard._pipeline import Buckets, gather_tangents, jvp_of_gather, reduce_scatter_grads
-from funcshard._primitives import Bucket, bucket_param, check_backward_transforms, check_transforms, gather_bucket
+from funcshard._primitives import (Bucket, bucket_param, check_backward_transforms, check_transforms, gather_bucket,
+                                   refuse_unwatched)
 from funcshard._checkpoint_dcp import mark
 from funcshard._compat import dtensor_local, get_interpreter_stack
 from funcshard._compile import runtime_boundary
@@ -260,7 +261,9 @@ def gather(plan: Plan, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     for g in plan.groups:
         if not g.params:
             continue
-        full = _Gather.apply(lay[g.name], pg, rank, *_on_device(plan, g, state))
+        shards = _on_device(plan, g, state)
+        refuse_unwatched(shards)  # (a summing gather of a state made from a dividing gather's gradient: refused)
+        full = _Gather.apply(lay[g.name], pg, rank, *shards)
         out.update((p, plan.specs[p].present(t)) for p, t in zip(g.params, full))
     return out
 

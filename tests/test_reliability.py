@@ -346,6 +346,15 @@ def _inner_activation_backward() -> dict:
         y.square().mean().backward()
         want = funcshard.shard(plan, ref)
         out[f"checkpoint(apply) {reshard}"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    # saved-tensor hooks disabled by the caller (as aot_autograd's runtime wrappers do): apply pushes none (it raised
+    # the caller's message)
+    plan = funcshard.plan(model, mesh, groups=(Block,))
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    with torch.autograd.graph.disable_saved_tensors_hooks("the caller's hooks are off"):
+        y = funcshard.apply(plan, state, x)
+    y.square().mean().backward()
+    want = funcshard.shard(plan, ref)
+    out["apply with saved-tensor hooks disabled"] = all(torch.equal(state[k].grad, want[k]) for k in want)
     stash.clear()
 
     # a saved view of a freed group read outside backward (grad_fn._saved_*): an error, not freed memory (a segfault)

@@ -1100,3 +1100,79 @@ def test_compiled_nested_transforms():
         assert out["fullgraph"].startswith("Unsupported: ") and re.search(
             r"run eagerly.*fullgraph=True\) refuses it\. For one graph, compile the first-order step", out["fullgraph"],
             re.S), out["fullgraph"]
+
+
+# ---- a dividing gather's gradient gathered again by another kind of gather (review of the second-order change) ----
+
+
+def _mixed_gathers():
+    """MAML at W=2 with per-rank batches: the inner gradient through traced_apply's gather (the default divide
+    factor), the adapted state gathered by another entry point. The runtime of apply (plain autograd) runs the traced
+    path for such a state and is exact; the summing gathers (funcshard.gather, funcshard.all_gather, a factor-1 plan)
+    are refused (they were 6e-2 off, silently, before the refusal)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.func import functional_call, grad
+
+    import funcshard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = funcshard.plan(m, mesh)
+    summed = funcshard.plan(m, mesh, grad_divide_factor=1.0)
+    full = {k: v.detach().clone() for k, v in m.named_parameters()}
+    state = funcshard.shard(plan, full)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(world)]
+    vxs = [torch.randn(5, 4, generator=g) for _ in range(world)]
+    x, vx = xs[rank], vxs[rank]
+
+    def f(s, xx=x):
+        return funcshard.traced_apply(plan, s, xx).pow(2).mean()
+
+    def ref(p, batches):  # the ranks' mean loss, unsharded
+        return sum(functional_call(m, p, (b,)).pow(2).mean() for b in batches) / world
+
+    def step(p, gs):
+        return {k: p[k] - 0.3 * gs[k] for k in p}
+
+    want = funcshard.shard(plan, grad(lambda p: ref(step(p, grad(lambda q: ref(q, xs))(p)), vxs))(full))
+    out = {}
+
+    def leaves():
+        return {k: t.detach().clone().requires_grad_() for k, t in state.items()}
+
+    s = leaves()
+    gs = dict(zip(s, torch.autograd.grad(f(s), list(s.values()), create_graph=True)))
+    got = dict(zip(s, torch.autograd.grad(funcshard.apply(plan, step(s, gs), vx).pow(2).mean(), list(s.values()))))
+    out["autograd, then apply"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    s = leaves()
+    funcshard.apply(plan, step(s, grad(f)(s)), vx).pow(2).mean().backward()
+    out["torch.func, then apply's backward"] = max((s[k].grad - want[k]).abs().max().item() for k in want)
+
+    def gathered(s):
+        return functional_call(m, funcshard.gather(plan, s), (vx,)).pow(2).mean()
+
+    def all_gathered(s):
+        p = {k: funcshard.all_gather(t, mesh)[:full[k].shape[0]] for k, t in s.items()}
+        return functional_call(m, p, (vx,)).pow(2).mean()
+
+    outer = {"funcshard.gather": gathered, "funcshard.all_gather": all_gathered,
+             "a factor-1 plan": lambda s: funcshard.traced_apply(summed, s, vx).pow(2).mean()}
+    for name, fo in outer.items():
+        try:
+            grad(lambda s: fo(step(s, grad(f)(s))))(state)
+            out[name] = "no error"
+        except NotImplementedError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_dividing_gathers_gradient_gathered_again_by_another_kind():
+    for out in run_ranks(2, _mixed_gathers):
+        assert out.pop("autograd, then apply") < 1e-6 and out.pop("torch.func, then apply's backward") < 1e-6, out
+        for name, text in out.items():
+            assert "is gathered again by a gather that does neither" in text, (name, text)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._compat import (TransformType, checkpoint_saved_hooks, current_graph_task_id, get_interpreter_stack,
-                               storage_key, top_saved_tensors_default_hooks)
+                               saved_tensors_hooks_enabled, storage_key, top_saved_tensors_default_hooks)
 from funcshard._runtime.buffers import Status
 
 if TYPE_CHECKING:
@@ -48,7 +48,11 @@ def _key(t: torch.Tensor) -> int | None:
 
 
 def hooks_allowed() -> bool:
-    """Saved-tensor hooks may be pushed here: no functorch transform other than ``jvp`` is active."""
+    """Saved-tensor hooks may be pushed here: the caller has not disabled them
+    (``torch.autograd.graph.disable_saved_tensors_hooks``) and no functorch transform other than ``jvp`` is
+    active."""
+    if not saved_tensors_hooks_enabled():
+        return False
     stack = get_interpreter_stack()
     return not stack or all(i.key() == TransformType.Jvp for i in stack)
 
