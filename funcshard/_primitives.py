@@ -391,12 +391,20 @@ def depends_on_gradient(tensors) -> bool:
     return any(v and getattr(n, _NODE, None) == "mean" for n, v in _toward_means(tensors).items())
 
 
+def _with_history(inputs) -> bool:
+    """Whether a gather's ``inputs`` may depend on a gradient's ``_Mean`` (a history, or torch.func wrappers over
+    one), outside torch.compile: else ``watch_means`` and ``refuse_unwatched`` walk nothing (a first-order step's
+    leaves)."""
+    return not torch.compiler.is_compiling() and (
+        any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in inputs)
+        or any(is_functorch_wrapped_tensor(t) for t in inputs))
+
+
 def watch_means(inputs, out: torch.Tensor) -> None:
     """``out``: a gather's output made from ``inputs``. Where an input depends on a gradient's ``_Mean`` (not through
     another gather), hook the nodes between them (the section's comment). Nothing where none does (a first-order
     step: leaves), and nothing under torch.compile."""
-    if torch.compiler.is_compiling() or not (any(t.grad_fn is not None for t in inputs)
-                                              or any(is_functorch_wrapped_tensor(t) for t in inputs)):
+    if not _with_history(inputs):
         return
     leads = _toward_means(inputs)
     means = [n for n, v in leads.items() if v and getattr(n, _NODE, None) == "mean"]
@@ -428,8 +436,7 @@ def refuse_unwatched(inputs) -> None:
     ``grad_divide_factor=1.0``, ``funcshard.all_gather``) is not watched: where one of ``inputs`` depends on a
     gradient's ``_Mean``, mark that ``_Mean``, whose backward then refuses rather than taking its transpose (which
     would divide a second time on that path). Nothing where no input has a history (a first-order step)."""
-    if torch.compiler.is_compiling() or not (any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in inputs)
-                                              or any(is_functorch_wrapped_tensor(t) for t in inputs)):
+    if not _with_history(inputs):
         return
     for n, v in _toward_means(inputs).items():
         if v and getattr(n, _NODE, None) == "mean":
