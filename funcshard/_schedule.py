@@ -88,14 +88,15 @@ def backward_reaches(plan: Plan) -> frozenset[str]:
 
     A gradient flows from the first parameter that takes one (``_spec.takes_grad``) in the forward; a group's outputs
     carry one iff its forward pass (:func:`passes`) closes after that point: a group with a trainable parameter, every
-    group after it, a group enclosing one. Where the root group's trainable parameters are used the plan takes from
-    the module tree: a parameter of a module registered before a group's first module (or of a module enclosing it,
-    e.g. the model's own) is used before that group, one registered after the last group (a head) after every group;
-    without a module tree in the plan's order (``Plan.with_order``) before every group. What the plan cannot know, it
-    assumes: the step's inputs take no gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the
-    state is differentiated; under plain autograd an input that requires grad makes the gradient reach every group
-    after it), each group's outputs feed the next group's forward, and a root parameter is used where its module is
-    registered. Made once per plan."""
+    group after it, a group enclosing one. Where in its group's pass a trainable parameter is used the plan takes from
+    the module tree: the root's, or a parent group's, parameter of a module registered before a group's first module
+    that opens inside that pass (or of a module enclosing it, e.g. the model's own) is used before that group, one
+    registered after them (a head, a parent's last layer) after them; without a module tree in the plan's order
+    (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the step's inputs take no
+    gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is differentiated; under plain
+    autograd an input that requires grad makes the gradient reach every group after it), each group's outputs feed
+    the next group's forward, a parameter is used where its module is registered, and a group's forward uses its
+    trainable parameters. Made once per plan."""
     return plan.derived("backward_reaches", _reaches)
 
 
@@ -105,42 +106,45 @@ def _reaches(plan: Plan) -> frozenset[str]:
 
 
 def gradient_from(plan: Plan) -> float:
-    """Where in the forward (an index into ``passes(plan).forward``) the gradient starts (:func:`backward_reaches`): at
-    the open of the first group with a trainable parameter (its index), or just before the open of the first group
-    after the root's first trainable parameter (that index less one half); ``len(forward)`` when none is. A group's
-    inputs carry a gradient iff its pass opens after it, its outputs iff its pass closes after it."""
+    """Where in the forward (an index into ``passes(plan).forward``) the gradient starts (:func:`backward_reaches`):
+    just before the event ``i`` at which the first trainable parameter is used (``i - 0.5``); ``len(forward)`` when
+    none is. A group's inputs carry a gradient iff its pass opens after it, its outputs iff its pass closes after it."""
     return plan.derived("gradient_from", _gradient_from)
 
 
 def _gradient_from(plan: Plan) -> float:
     events = passes(plan).forward
-    source: float = next((i for i, (e, n) in enumerate(events) if e == "open" and trainable(plan, plan.group(n))),
-                         len(events))
-    if trainable(plan, plan.groups[0]):
-        source = min(source, _root_use(plan, events) - 0.5)
+    where = {(e, n): i for i, (e, n) in enumerate(events)}
+    tree = _module_tree(plan)
+    source = float(len(events))
+    for g in plan.groups:
+        params = [p for p in g.params if takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype)]
+        if not params:
+            continue
+        o, c = (-1, len(events)) if g.is_root else (where[("open", g.name)], where[("close", g.name)])
+        owners = [tree[0].get(path.rpartition(".")[0]) for p in params
+                  for path in plan.specs[p].aliases or (p,)] if tree is not None else [None]
+        if None in owners:  # (no module tree in the plan's order: used first in the group's pass)
+            source = min(source, o + 0.5)
+            continue
+        earliest, first = min(owners), tree[1]  # (used before the first group its pass opens after its module)
+        i = next((i for i in range(o + 1, c) if events[i][0] == "open" and first[events[i][1]] > earliest), c)
+        source = min(source, i - 0.5)
     return source
 
 
-def _root_use(plan: Plan, events: Sequence[tuple[str, str]]) -> int:
-    """The forward event (index into ``Passes.forward``) just before which the root group's first trainable
-    parameter is used, by the module tree (see :func:`backward_reaches`): 0 before every group, ``len(events)``
-    after every group."""
-    groups = [g for g in plan.groups if not g.is_root]
+def _module_tree(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
+    """``(module path -> index in the module tree, group -> its first module's index)`` when the groups' modules run
+    in the module tree's order (:func:`_calls`); else None."""
     index = {n: i for i, (n, _) in enumerate(plan.module.named_modules())} if isinstance(plan.module, nn.Module) else {}
-    calls = _calls(plan, groups)
+    calls = _calls(plan, [g for g in plan.groups if not g.is_root])
     at = [index.get(m) for m, _ in calls]
-    if None in at or at != sorted(at):  # (no module tree in the plan's order: before every group)
-        return 0
+    if None in at or at != sorted(at):
+        return None
     first: dict[str, int] = {}
     for (_, n), i in zip(calls, at):
         first.setdefault(n, i)
-    owners = [index.get(path.rpartition(".")[0]) for p in plan.groups[0].params
-              if takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype)
-              for path in plan.specs[p].aliases or (p,)]
-    if None in owners:
-        return 0
-    earliest = min(owners)
-    return next((i for i, (e, n) in enumerate(events) if e == "open" and first[n] > earliest), len(events))
+    return index, first
 
 
 def bucket_sizes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | None = None

@@ -129,10 +129,32 @@ def test_predicted_collectives_are_the_issued_ones(depth, reshard, kind, layout)
         assert replayed == lifecycle  # every all-gather, free and reduce-scatter, in order: the runtime's own rules
 
 
-# (frozen parameter prefixes of MLP(layers=3): inp and out are the root group's, each block a group; prefetch depth)
-FROZEN_CASES = [(("inp", "blocks"), 1), (("inp", "blocks"), 0), (("inp", "blocks"), 2), (("inp", "blocks.0"), 1),
-                (("blocks.1",), 1), (("blocks.2", "out"), 1), (("blocks",), 1),
-                (("inp", "blocks.0", "blocks.1.l2", "blocks.2"), 1)]
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.post(torch.relu(self.inner(self.pre(x))))
+
+
+class _Nested(nn.Module):
+    """Groups a, o (its pre and post layers) enclosing o.inner, b; the head is the root group's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o, self.b, self.head = nn.Linear(6, 6), _Outer(), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.b(self.o(self.a(x))))
+
+
+# (model, frozen parameter prefixes, prefetch depth): MLP(layers=3)'s inp and out are the root group's, each block a
+# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner)
+FROZEN_CASES = [("mlp", ("inp", "blocks"), 1), ("mlp", ("inp", "blocks"), 0), ("mlp", ("inp", "blocks"), 2),
+                ("mlp", ("inp", "blocks.0"), 1), ("mlp", ("blocks.1",), 1), ("mlp", ("blocks.2", "out"), 1),
+                ("mlp", ("blocks",), 1), ("mlp", ("inp", "blocks.0", "blocks.1.l2", "blocks.2"), 1),
+                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1)]
 
 
 def _frozen_issued_vs_predicted(cases):
@@ -143,17 +165,18 @@ def _frozen_issued_vs_predicted(cases):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     loss = lambda out: out.float().square().sum()  # noqa: E731
     out = []
-    for frozen, depth in cases:
+    for kind, frozen, depth in cases:
         torch.manual_seed(0)
-        model = MLP(layers=3)
+        model = MLP(layers=3) if kind == "mlp" else _Nested()
         for name, p in model.named_parameters():
             p.requires_grad_(not name.startswith(frozen))
-        plan = funcshard.plan(model, mesh, groups=(Block,), prefetch=depth)
+        plan = funcshard.plan(model, mesh, groups=(Block,) if kind == "mlp" else ["a", "o", "o.inner", "b"],
+                              prefetch=depth)
         names = dict(model.named_parameters())
         state = funcshard.shard(plan)
         trainable = {k: v for k, v in state.items() if names[k].requires_grad}
         fixed = {k: v for k, v in state.items() if not names[k].requires_grad}
-        x = torch.randn(2, 7)
+        x = torch.randn(2, 7 if kind == "mlp" else 6)
         with _Tagged(IssuedCollectives()) as rec, _Lifecycle() as life:
             torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **fixed}, x)))(trainable)
         cost, replayed = _estimate_and_replayed(plan, x, loss)
@@ -169,17 +192,20 @@ def test_a_partly_frozen_models_collectives_are_the_printed_ones():
     (``_schedule.backward_reaches``): with the input projection and the blocks frozen (a head alone trained) no block
     runs a backward, the root's pre-backward prefetches the last block all the same (gathered, never used, freed at
     the end of backward), and nothing else is gathered; a frozen prefix is prefetched by the first trained block and
-    left there. The printed order, the runtime's collectives and lifecycle and the cost model's agree in each case
-    (on the commit before: the plan listed backward all-gathers of blocks no gradient reaches and the estimate raised
-    "the replay did not issue ... (a bug)")."""
+    left there; a parent group trained only after its child (its last layer) reaches the child with no gradient.
+    The printed order, the runtime's collectives and lifecycle and the cost model's agree in each case (on the commit
+    before: the plan listed backward all-gathers of groups no gradient reaches and the estimate raised "the replay
+    did not issue ... (a bug)")."""
     rows = run_ranks(2, _frozen_issued_vs_predicted, FROZEN_CASES)
     for rank in rows:
-        for (frozen, depth), (issued, planned, predicted, printed, shown, lifecycle, replayed) in zip(FROZEN_CASES,
-                                                                                                      rank):
-            assert planned == issued == predicted, (frozen, depth)
-            assert replayed == lifecycle, (frozen, depth)
+        for (kind, frozen, depth), (issued, planned, predicted, printed, shown, lifecycle, replayed) in zip(
+                FROZEN_CASES, rank):
+            assert planned == issued == predicted, (kind, frozen, depth)
+            assert replayed == lifecycle, (kind, frozen, depth)
             backward = printed[printed.index("-- backward --") + 1:]
-            if frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
+            if kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
+                assert ("no gradient reaches a, o.inner:" if "o.inner" in frozen else "no gradient reaches a:") in shown
+            elif frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
                 assert backward == [*[f"all-gather blocks.{2 - i} (prefetch, while <root> computes; no gradient "
                                       f"reaches it: unused, freed at the end of backward)" for i in range(depth)],
                                     "reduce-scatter <root>, free it"], (depth, backward)
