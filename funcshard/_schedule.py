@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from funcshard._plan import Group, Plan
 
 __all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "backward_reaches", "bucket_sizes", "frees_listed",
-           "gradient_from", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule", "trainable"]
+           "gradient_from", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -74,11 +74,6 @@ def reduce_scatter_at(plan: Plan, group: Group) -> str | None:
     if group.is_root:
         return END_OF_BACKWARD
     return POST_BACKWARD if group.name in backward_reaches(plan) else None
-
-
-def trainable(plan: Plan, group: Group) -> bool:
-    """Whether a parameter of the group takes a gradient (``_spec.takes_grad``, by the plan's ``requires_grad``)."""
-    return any(takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype) for p in group.params)
 
 
 def backward_reaches(plan: Plan) -> frozenset[str]:

@@ -595,7 +595,9 @@ def _device(plan: Plan) -> torch.device:
 def _check_order(plan: Plan, prof: StepProfile) -> None:
     """The replay follows the plan's group order (the schedule's); a forward that runs the groups in another order
     makes the runtime prefetch differently (its forward prefetch follows the plan, its backward prefetch the order
-    that ran): refused, with the plan that matches."""
+    that ran): refused, with the plan that matches. So are a trained group whose gather no gradient reaches (the
+    runtime reduce-scatters nothing for it) and a traced backward that reaches other groups than the schedule's
+    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used)."""
     ran = tuple(dict.fromkeys(m.group for m in prof.marks if m.kind == FWD_START and m.group != ROOT))
     if plan.order_differs(ran):
         raise ShardingError(
@@ -627,7 +629,7 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
                 [f"group(s) {more}, which the plan's schedule takes no gradient to reach"] * bool(more)
                 + [f"not group(s) {fewer}, which the plan's schedule takes it to reach"] * bool(fewer))
             + ". The schedule (plan.collective_order(), _schedule.backward_reaches) has the gradient start at the "
-            f"first parameter that takes one, a root parameter used where its module is registered among the groups' "
+            f"first parameter that takes one, each parameter used where its module is registered among the groups' "
             f"modules, each group feeding the next; here the module uses its parameters otherwise, so the runtime "
             f"issues other backward collectives than the printed ones, which the cost model does not replay. Register "
             f"the modules in the order the forward uses them, or give the root's trainable modules a group of their "
@@ -638,8 +640,8 @@ def _check_inputs(plan: Plan, args: tuple, kwargs: dict) -> None:
     """The schedule takes the step's inputs to take no gradient (``_schedule.backward_reaches``); where one requires
     grad and the schedule leaves a group out of backward, plain autograd would reach it: refused."""
     left_out = [g.name for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
-    needing = [i for i, t in enumerate(torch_tree_leaves((args, kwargs)))
-               if isinstance(t, torch.Tensor) and t.requires_grad]
+    needing = [i for i, t in enumerate(t for t in torch_tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+               if t.requires_grad]
     if left_out and needing:
         raise ShardingError(
             f"funcshard.cost.estimate: input(s) {needing} (of the inputs' tensors, in order) require grad, and the "
@@ -666,7 +668,10 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only).
     ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
     and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
-    prefetch, resharding and layout are the replay's alone).
+    prefetch, resharding and layout are the replay's alone). The step's backward is the schedule's: it reaches the
+    groups ``_schedule.backward_reaches`` says (inputs that take no gradient); where the traced step differs, or an
+    input requires grad and the schedule leaves a group out of backward, or a group runs under reentrant activation
+    checkpointing, it raises a ``ShardingError`` naming the case.
 
     Args:
         plan: the plan to cost (a mesh of any world size: a real one, or :func:`fake_mesh`'s).
