@@ -203,6 +203,13 @@ def test_a_partly_frozen_models_collectives_are_the_printed_ones():
             assert planned == issued == predicted, (kind, frozen, depth)
             assert replayed == lifecycle, (kind, frozen, depth)
             backward = printed[printed.index("-- backward --") + 1:]
+            # the end of backward begins after the root's reduce-scatter (a frozen root's: after its own free there)
+            last_rs = max(i for i, e in enumerate(lifecycle) if e in (("reduce-scatter issued", ""), ("freed", "")))
+            for line in backward:  # a group freed "at the end of backward" is, one freed on its reduce-scatter before
+                if line.startswith("reduce-scatter") and not line.startswith("reduce-scatter <root>"):
+                    name = line.split()[1].rstrip(",")
+                    freed = max(i for i, e in enumerate(lifecycle) if e == ("freed", name))
+                    assert (freed > last_rs) == ("at the end of backward" in line), (kind, frozen, line)
             if kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
                 assert ("no gradient reaches a, o.inner:" if "o.inner" in frozen else "no gradient reaches a:") in shown
             elif frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
