@@ -388,9 +388,9 @@ def _printout(plan: Plan) -> str:
     lines += _owner_lines(plan, len(step.ops))
     unreached = [label(g.name) for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
     if unreached:
-        lines.append(f"  no gradient reaches {', '.join(unreached)}: no parameter that takes one is used before them "
-                     f"(the step's inputs are taken to take none; _schedule.backward_reaches), so they are not gathered "
-                     f"for a backward of their own nor reduce-scattered")
+        lines.append(f"  no gradient reaches {', '.join(unreached)}: no parameter that takes one is used before their "
+                     f"forwards end (the step's inputs are taken to take none; _schedule.backward_reaches), so they "
+                     f"are not gathered for a backward of their own nor reduce-scattered")
     totals = step.totals()
     lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
                  f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +
