@@ -32,7 +32,7 @@ import torch
 from funcshard._compat import FakeTensorMode, TorchDispatchMode, op_is_mutable, param_slots, torch_tree_leaves
 from funcshard._plan import ROOT, Plan
 from funcshard._policy import cast_floating, compute_dtype
-from funcshard._spec import takes_grad
+from funcshard._spec import ShardingError, takes_grad
 
 FWD_START, FWD_END, BWD_START, BWD_END = "forward start", "forward end", "backward start", "backward end"
 INPUTS_DONE = "inputs' gradients done"  # a group with frozen parameters: the gradients of its forward's inputs
@@ -88,6 +88,7 @@ class StepProfile:
         trainable: groups with a parameter that takes a gradient (they have a post-backward).
         unwatched: frozen groups whose forward inputs take no gradient: kept until the end of backward.
         watched: frozen groups whose forward inputs' gradients are waited for (an ``INPUTS_DONE`` mark each).
+        post_backward: groups whose gather node ran its backward (the runtime's post-backward: the reduce-scatter).
     """
 
     marks: tuple[Mark, ...]
@@ -98,6 +99,7 @@ class StepProfile:
     trainable: frozenset[str] = frozenset()
     unwatched: frozenset[str] = frozenset()
     watched: frozenset[str] = frozenset()
+    post_backward: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +347,8 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
     backward_started: set[str] = set()
     uses: dict[str, int] = {}
     unwatched: set[str] = set()
+    without_grad: set[str] = set()  # groups whose forward ran without grad (reentrant checkpointing's first run)
+    in_backward = [False]
 
     def inputs_done(name: str) -> None:
         uses[name] -= 1
@@ -356,6 +360,15 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
             mod = module.get_submodule(path)
 
             def pre(_m, a, kw, g=g):
+                if not in_backward[0] and not torch.is_grad_enabled():
+                    without_grad.add(g.name)
+                elif in_backward[0] and torch.is_grad_enabled() and g.name in without_grad:
+                    raise ShardingError(
+                        f"funcshard.cost.estimate: group {g.name!r} runs under reentrant activation checkpointing "
+                        f"(torch.utils.checkpoint(..., use_reentrant=True): its forward ran without grad and runs "
+                        f"again with grad inside backward, where the runtime gathers it through a new autograd node), "
+                        f"which the cost model does not replay; checkpoint with use_reentrant=False (the cost model "
+                        f"replays its recomputation) to estimate")
                 if g.name not in started:
                     started.add(g.name)
                     mark(FWD_START, g.name)
@@ -421,8 +434,10 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
             _check_loss(value, bool(trainable))
             mark(BWD_START, ROOT)
             if value.requires_grad:
+                in_backward[0] = True
                 value.backward()
             del value
+            post_backward = frozenset(ended)  # (the groups whose node ran: the runtime's post-backwards)
             for g in plan.groups:  # groups without (trainable) parameters with gradients end with the backward
                 if g.name not in ended and g.name in backward_started | {ROOT}:
                     mark(BWD_END, g.name)
@@ -433,7 +448,7 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
         for (_, attr), (mod, t) in originals.items():
             param_slots(mod)[attr] = t
     return StepProfile(tuple(marks), tuple(stretches), input_bytes, device.type, frozenset(frozen),
-                       frozenset(trainable), frozenset(unwatched), frozenset(uses))
+                       frozenset(trainable), frozenset(unwatched), frozenset(uses), post_backward)
 
 
 def profile_update(optimizer: Any, shards: dict[str, tuple[tuple[int, ...], torch.dtype]],

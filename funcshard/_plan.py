@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from funcshard._collectives import check_timeout
 from funcshard._comm import CommHook, check_comm, check_extension, wire_nbytes
 from funcshard._compat import dtensor_local
-from funcshard._schedule import label, passes, reduce_scatter_depth, schedule
+from funcshard._schedule import backward_reaches, label, passes, reduce_scatter_depth, schedule
 from funcshard._mesh import (
     axis_name,
     dp_axes,
@@ -350,7 +350,11 @@ class Plan:
     # ---- printing ----------------------------------------------------------------------------
     def collective_order(self) -> list[str]:
         """The collectives of one training step, in issue order (one all-gather / reduce-scatter per group and dtype;
-        then the optimizer's all-to-alls: :meth:`with_optimizer`), as the runtime issues them in plan order."""
+        then the optimizer's all-to-alls: :meth:`with_optimizer`), as the runtime issues them in plan order. Backward
+        lists the groups a gradient reaches (``_schedule.backward_reaches``: from the first parameter that takes a
+        gradient on, taking the step's inputs to take none, as under ``torch.func`` transforms; a root parameter used
+        where its module is registered); an input that requires grad under plain autograd reaches more, which
+        ``funcshard.cost.estimate`` refuses to cost."""
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 
     def __str__(self) -> str:
@@ -382,6 +386,11 @@ def _printout(plan: Plan) -> str:
     lines.append("  one step:")
     lines.extend(f"    {i:>3}. {line}{step.ops[i - 1].where(plan.mesh)}" for i, line in enumerate(step.lines(), 1))
     lines += _owner_lines(plan, len(step.ops))
+    unreached = [label(g.name) for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
+    if unreached:
+        lines.append(f"  no gradient reaches {', '.join(unreached)}: no parameter that takes one is used before their "
+                     f"forwards end (the step's inputs are taken to take none; _schedule.backward_reaches), so they "
+                     f"are not gathered for a backward of their own nor reduce-scattered")
     totals = step.totals()
     lines.append(f"  per step: all-gather {totals['all-gather'] / 2**20:.2f} MiB, reduce-scatter "
                  f"{totals['reduce-scatter'] / 2**20:.2f} MiB (unsharded buffers, padding included)" +

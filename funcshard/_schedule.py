@@ -11,7 +11,10 @@ the nested group runs, as in FSDP2, so it is unsharded beside it. Backward runs 
 closed in (FSDP2's reverse post-forward order): a group is gathered before its backward (the gradient reaches a
 parent's outputs before its children's), the groups it encloses run their backward inside its own, and it is
 reduce-scattered and freed after them (its parameters' gradients complete after its children's: the usual case, a
-parent that uses its parameters before it calls its children). A group's all-reduce over the replicate axis (HSDP)
+parent that uses its parameters before it calls its children). Backward runs only the groups a gradient reaches
+(:func:`backward_reaches`: those whose forward ends after the first parameter that takes a gradient is used); the
+others are gathered in backward only when a reached group prefetches them, never reduce-scattered, and freed at the
+end of backward. A group's all-reduce over the replicate axis (HSDP)
 follows its reduce-scatter before any later all-gather. The root group is gathered first and reduce-scattered last.
 Up to :func:`reduce_scatter_depth` reduce-scatters are in flight at once (``Plan.reduce_scatter_buffers``): each is
 waited in the post-backward that would put one more in flight, or at the end of backward; the order they are issued in
@@ -34,8 +37,8 @@ from funcshard._spec import ShardSpec, reduced, takes_grad
 if TYPE_CHECKING:
     from funcshard._plan import Group, Plan
 
-__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "bucket_sizes", "frees_listed", "passes",
-           "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
+__all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "backward_reaches", "bucket_sizes", "frees_listed",
+           "gradient_from", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -60,14 +63,83 @@ def frees_listed(group: Group) -> bool:
     return group.is_root or bool(group.params)
 
 
-def reduce_scatter_at(group: Group) -> str | None:
+def reduce_scatter_at(plan: Plan, group: Group) -> str | None:
     """Where backward issues the group's reduce-scatter: ``POST_BACKWARD``, once its gradients are complete (a group
-    with parameters); ``END_OF_BACKWARD``, after every other group's (the root with parameters: its gather node is
-    made first in forward, so autograd runs it last); None for a group without parameters (none is issued). The rule
-    ``_build`` and the cost model's replay both read."""
+    with parameters that a gradient reaches: :func:`backward_reaches`); ``END_OF_BACKWARD``, after every other group's
+    (the root with parameters: its gather node is made first in forward, so autograd runs it last); None for a group
+    without parameters or one no gradient reaches (none is issued). The rule ``_build`` and the cost model's replay
+    both read."""
     if not group.params:
         return None
-    return END_OF_BACKWARD if group.is_root else POST_BACKWARD
+    if group.is_root:
+        return END_OF_BACKWARD
+    return POST_BACKWARD if group.name in backward_reaches(plan) else None
+
+
+def backward_reaches(plan: Plan) -> frozenset[str]:
+    """The non-root groups whose backward runs: a gradient reaches their outputs, so the runtime's pre-backward
+    gathers them and (with a trainable parameter) their post-backward reduce-scatters them. The one rule the schedule,
+    the printout and the cost model read (``cost.estimate`` holds it to the traced step and refuses where they differ).
+
+    A gradient flows from the first parameter that takes one (``_spec.takes_grad``) in the forward; a group's outputs
+    carry one iff its forward pass (:func:`passes`) closes after that point: a group with a trainable parameter, every
+    group after it, a group enclosing one. Where in its group's pass a trainable parameter is used the plan takes from
+    the module tree: the root's, or a parent group's, parameter of a module registered before a group's first module
+    that opens inside that pass (or of a module enclosing it, e.g. the model's own) is used before that group, one
+    registered after them (a head, a parent's last layer) after them; without a module tree in the plan's order
+    (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the step's inputs take no
+    gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is differentiated; under plain
+    autograd an input that requires grad makes the gradient reach every group after it), each group's outputs feed
+    the next group's forward, a parameter is used where its module is registered, and a group's forward uses its
+    trainable parameters. Made once per plan."""
+    return plan.derived("backward_reaches", _reaches)
+
+
+def _reaches(plan: Plan) -> frozenset[str]:
+    source = gradient_from(plan)
+    return frozenset(n for i, (e, n) in enumerate(passes(plan).forward) if e == "close" and i > source)
+
+
+def gradient_from(plan: Plan) -> float:
+    """Where in the forward (an index into ``passes(plan).forward``) the gradient starts (:func:`backward_reaches`):
+    just before the event ``i`` at which the first trainable parameter is used (``i - 0.5``); ``len(forward)`` when
+    none is. A group's inputs carry a gradient iff its pass opens after it, its outputs iff its pass closes after it."""
+    return plan.derived("gradient_from", _gradient_from)
+
+
+def _gradient_from(plan: Plan) -> float:
+    events = passes(plan).forward
+    where = {(e, n): i for i, (e, n) in enumerate(events)}
+    tree = _module_tree(plan)
+    source = float(len(events))
+    for g in plan.groups:
+        params = [p for p in g.params if takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype)]
+        if not params:
+            continue
+        o, c = (-1, len(events)) if g.is_root else (where[("open", g.name)], where[("close", g.name)])
+        owners = [tree[0].get(path.rpartition(".")[0]) for p in params
+                  for path in plan.specs[p].aliases or (p,)] if tree is not None else [None]
+        if None in owners:  # (no module tree in the plan's order: used first in the group's pass)
+            source = min(source, o + 0.5)
+            continue
+        earliest, first = min(owners), tree[1]  # (used before the first group its pass opens after its module)
+        i = next((i for i in range(o + 1, c) if events[i][0] == "open" and first[events[i][1]] > earliest), c)
+        source = min(source, i - 0.5)
+    return source
+
+
+def _module_tree(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
+    """``(module path -> index in the module tree, group -> its first module's index)`` when the groups' modules run
+    in the module tree's order (:func:`_calls`); else None."""
+    index = {n: i for i, (n, _) in enumerate(plan.module.named_modules())} if isinstance(plan.module, nn.Module) else {}
+    calls = _calls(plan, [g for g in plan.groups if not g.is_root])
+    at = [index.get(m) for m, _ in calls]
+    if None in at or at != sorted(at):
+        return None
+    first: dict[str, int] = {}
+    for (_, n), i in zip(calls, at):
+        first.setdefault(n, i)
+    return index, first
 
 
 def bucket_sizes(specs: Sequence[ShardSpec], param_dtype: torch.dtype | None = None
@@ -427,32 +499,42 @@ def _build(plan: Plan) -> Schedule:
         free_after_forward(root)
     ops.append(Op(BACKWARD))
 
+    source = gradient_from(plan)
+    opened = {n: i for i, (e, n) in enumerate(fwd.forward) if e == "open"}
+
     def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
-        return "" if g.reshard_after_backward else "keep it gathered (reshard_after_backward=False)"
+        if not g.reshard_after_backward:
+            return "keep it gathered (reshard_after_backward=False)"
+        if (not g.is_root and not all(plan.specs[p].requires_grad for p in g.params)
+                and opened[g.name] <= source):  # (the runtime's FrozenRelease: no input gradient to wait for)
+            return "free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)"
+        return ""
 
     def reduce_scatter(g) -> None:
-        if reduce_scatter_at(g) is not None:
+        if reduce_scatter_at(plan, g) is not None:
             ops.append(Op(REDUCE_SCATTER, g.name, kept(g), reduces[g.name]))
             if grads_back.get(g.name):
                 copies.append(HostCopy(DEVICE_TO_HOST, g.name, "gradients", grads_back[g.name]))
             if g.reshard_after_backward:
                 gathered.discard(g.name)
 
+    reached = backward_reaches(plan)
     inside: list[str] = []  # the groups whose backward is under way, innermost last
-    for g in (root, *(plan.group(n) for n in reversed(fwd.closed))):
+    for g in (root, *(plan.group(n) for n in reversed(fwd.closed) if n in reached)):
         while inside and inside[-1] not in fwd.enclosing.get(g.name, ()):  # its backward is done
             reduce_scatter(plan.group(inside.pop()))
         if g.unshard_in_backward:  # (False: its backward reads no parameters, nothing is gathered for it)
             ag(g.name, "" if g.is_root else "before its backward")
         for p in plan.prefetch_after(g.name, backward=True):
-            if plan.group(p).unshard_in_backward:
-                ag(p, f"prefetch, while {label(g.name)} computes")
+            if plan.group(p).unshard_in_backward:  # (one no gradient reaches: gathered all the same, never used)
+                ag(p, f"prefetch, while {label(g.name)} computes" + (
+                    "" if p in reached else "; no gradient reaches it: unused, freed at the end of backward"))
         if not g.is_root:
             inside.append(g.name)
     while inside:
         reduce_scatter(plan.group(inside.pop()))
     for g in plan.groups:  # (the root's)
-        if reduce_scatter_at(g) == END_OF_BACKWARD:
+        if reduce_scatter_at(plan, g) == END_OF_BACKWARD:
             reduce_scatter(g)
     kept = tuple(0 if g.name in empty or g.reshard_after_forward is True else post[g.name][0] if g.name in post else 1
                  for g in plan.groups)

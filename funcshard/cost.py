@@ -53,8 +53,8 @@ from funcshard._cost_trace import (
 from funcshard._plan import ROOT, Plan
 from funcshard._runtime.buffers import Status
 from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, END_OF_BACKWARD, FREE,
-                                 HOST_TO_DEVICE, POST_BACKWARD, REDUCE_SCATTER, Collective, HostCopy, Op, frees_listed,
-                                 label, reduce_scatter_at, schedule)
+                                 HOST_TO_DEVICE, POST_BACKWARD, REDUCE_SCATTER, Collective, HostCopy, Op,
+                                 backward_reaches, frees_listed, label, reduce_scatter_at, schedule)
 from funcshard._spec import ShardingError, takes_grad
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs",
@@ -533,7 +533,7 @@ class _Replay:
             rt.backward_started = True
             self.use(name, backward=True)
         elif m.kind == BWD_END:
-            if reduce_scatter_at(self.gb[name].group) == POST_BACKWARD:
+            if reduce_scatter_at(self.plan, self.gb[name].group) == POST_BACKWARD:
                 rt.post_backward(name)
         elif m.kind == INPUTS_DONE:
             self.freeing(name, lambda: rt.frozen.inputs_done(name),
@@ -552,7 +552,7 @@ class _Replay:
                 continue  # (the end of backward: below)
             self.mark(i)
         rt.backward_started = True
-        last = [name for name, gb in self.gb.items() if reduce_scatter_at(gb.group) == END_OF_BACKWARD]
+        last = [name for name, gb in self.gb.items() if reduce_scatter_at(self.plan, gb.group) == END_OF_BACKWARD]
         if last:  # the reduce-scatters after every other group's (the root's), then end_of_backward
             done = [i for i, m in enumerate(marks) if m.kind == BWD_END and m.group == ROOT]
             if done:
@@ -595,7 +595,9 @@ def _device(plan: Plan) -> torch.device:
 def _check_order(plan: Plan, prof: StepProfile) -> None:
     """The replay follows the plan's group order (the schedule's); a forward that runs the groups in another order
     makes the runtime prefetch differently (its forward prefetch follows the plan, its backward prefetch the order
-    that ran): refused, with the plan that matches."""
+    that ran): refused, with the plan that matches. So are a trained group whose gather no gradient reaches (the
+    runtime reduce-scatters nothing for it) and a traced backward that reaches other groups than the schedule's
+    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used)."""
     ran = tuple(dict.fromkeys(m.group for m in prof.marks if m.kind == FWD_START and m.group != ROOT))
     if plan.order_differs(ran):
         raise ShardingError(
@@ -609,6 +611,46 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
             f"funcshard.cost.estimate: the forward never runs group(s) {skipped} of the plan, which the cost model "
             f"(as the plan's schedule) counts on; call their modules, or plan without them as groups (their "
             f"parameters then go to the root group)")
+    unused = [g.name for g in plan.groups if g.name in prof.trainable and g.name not in prof.post_backward]
+    if unused:
+        raise ShardingError(
+            f"funcshard.cost.estimate: group(s) {[label(n) for n in unused]} have parameters that take a gradient, "
+            f"but no gradient reaches them in the traced step (the forward does not use them, or not on the loss's "
+            f"path): the runtime then runs no post-backward for the group and issues no reduce-scatter, which the "
+            f"plan's schedule (plan.collective_order()) lists and the cost model does not replay; freeze those "
+            f"parameters (requires_grad_(False)) or use them, to estimate")
+    reached = [m.group for m in prof.marks if m.kind == BWD_START and m.group != ROOT]
+    planned = backward_reaches(plan)
+    more = [n for n in ran if n in reached and n not in planned]
+    fewer = [n for n in ran if n in planned and n not in reached]
+    if more or fewer:
+        raise ShardingError(
+            f"funcshard.cost.estimate: in the traced step the gradient reaches " + " and ".join(
+                [f"group(s) {more}, which the plan's schedule takes no gradient to reach"] * bool(more)
+                + [f"not group(s) {fewer}, which the plan's schedule takes it to reach"] * bool(fewer))
+            + ". The schedule (plan.collective_order(), _schedule.backward_reaches) has the gradient start at the "
+            f"first parameter that takes one, each parameter used where its module is registered among the groups' "
+            f"modules, each group feeding the next; here the module uses its parameters otherwise, so the runtime "
+            f"issues other backward collectives than the printed ones, which the cost model does not replay. Register "
+            f"the modules in the order the forward uses them, or give the root's trainable modules a group of their "
+            f"own (funcshard.plan(groups=...))")
+
+
+def _check_inputs(plan: Plan, args: tuple, kwargs: dict) -> None:
+    """The schedule takes the step's inputs to take no gradient (``_schedule.backward_reaches``); where one requires
+    grad and the schedule leaves a group out of backward, plain autograd would reach it: refused."""
+    left_out = [g.name for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
+    needing = [i for i, t in enumerate(t for t in torch_tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+               if t.requires_grad]
+    if left_out and needing:
+        raise ShardingError(
+            f"funcshard.cost.estimate: input(s) {needing} (of the inputs' tensors, in order) require grad, and the "
+            f"plan's schedule takes no gradient to reach group(s) {left_out} (no parameter that takes one is used "
+            f"before them; _schedule.backward_reaches takes the step's inputs to take none). Under plain autograd "
+            f"the input's gradient reaches them and the runtime issues their backward all-gathers, which the schedule "
+            f"and the cost model leave out; under torch.func transforms (funcshard.value_and_grad) only the state is "
+            f"differentiated and the schedule holds. Pass the inputs detached (x.detach()) to estimate the step "
+            f"without input gradients")
 
 
 def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -626,7 +668,10 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     for a tensor output. ``hardware``: the figures of the time estimate (None: memory and collectives only).
     ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
     and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
-    prefetch, resharding and layout are the replay's alone).
+    prefetch, resharding and layout are the replay's alone). The step's backward is the schedule's: it reaches the
+    groups ``_schedule.backward_reaches`` says (inputs that take no gradient); where the traced step differs, or an
+    input requires grad and the schedule leaves a group out of backward, or a group runs under reentrant activation
+    checkpointing, it raises a ``ShardingError`` naming the case.
 
     Args:
         plan: the plan to cost (a mesh of any world size: a real one, or :func:`fake_mesh`'s).
@@ -644,6 +689,7 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
                 raise TypeError(f"funcshard.cost.estimate: the module returns {type(out).__name__}, not a tensor; "
                                 f"pass loss=lambda out: ... returning a scalar tensor")
             return out.float().sum()
+    _check_inputs(plan, args, kwargs)
     cache = profiles if profiles is not None else {}
     key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups),
            tuple((k, s.shape, s.dtype, s.requires_grad) for k, s in plan.specs.items()),

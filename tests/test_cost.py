@@ -129,6 +129,104 @@ def test_predicted_collectives_are_the_issued_ones(depth, reshard, kind, layout)
         assert replayed == lifecycle  # every all-gather, free and reduce-scatter, in order: the runtime's own rules
 
 
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.inner, self.post = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.post(torch.relu(self.inner(self.pre(x))))
+
+
+class _Nested(nn.Module):
+    """Groups a, o (its pre and post layers) enclosing o.inner, b; the head is the root group's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o, self.b, self.head = nn.Linear(6, 6), _Outer(), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.b(self.o(self.a(x))))
+
+
+# (model, frozen parameter prefixes, prefetch depth): MLP(layers=3)'s inp and out are the root group's, each block a
+# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner)
+FROZEN_CASES = [("mlp", ("inp", "blocks"), 1), ("mlp", ("inp", "blocks"), 0), ("mlp", ("inp", "blocks"), 2),
+                ("mlp", ("inp", "blocks.0"), 1), ("mlp", ("blocks.1",), 1), ("mlp", ("blocks.2", "out"), 1),
+                ("mlp", ("blocks",), 1), ("mlp", ("inp", "blocks.0", "blocks.1.l2", "blocks.2"), 1),
+                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1)]
+
+
+def _frozen_issued_vs_predicted(cases):
+    """Per case (frozen parameter prefixes, prefetch depth): the collectives and lifecycle a real step issues, and the
+    schedule's, the printout's and the cost model's."""
+    from models import MLP, Block
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    loss = lambda out: out.float().square().sum()  # noqa: E731
+    out = []
+    for kind, frozen, depth in cases:
+        torch.manual_seed(0)
+        model = MLP(layers=3) if kind == "mlp" else _Nested()
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith(frozen))
+        plan = funcshard.plan(model, mesh, groups=(Block,) if kind == "mlp" else ["a", "o", "o.inner", "b"],
+                              prefetch=depth)
+        names = dict(model.named_parameters())
+        state = funcshard.shard(plan)
+        trainable = {k: v for k, v in state.items() if names[k].requires_grad}
+        fixed = {k: v for k, v in state.items() if not names[k].requires_grad}
+        x = torch.randn(2, 7 if kind == "mlp" else 6)
+        with _Tagged(IssuedCollectives()) as rec, _Lifecycle() as life:
+            torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **fixed}, x)))(trainable)
+        cost, replayed = _estimate_and_replayed(plan, x, loss)
+        issued = [(kind, group, n) for kind, group, _, n, _ in rec.calls()]
+        out.append((issued, [(c.kind, c.group, c.numel) for c in schedule(plan).collectives()],
+                    [(c.kind, c.group, c.numel) for c in cost.collectives], plan.collective_order(), str(plan),
+                    life.events, replayed))
+    return out
+
+
+def test_a_partly_frozen_models_collectives_are_the_printed_ones():
+    """A gradient reaches a group's backward only from the first parameter that takes one on
+    (``_schedule.backward_reaches``): with the input projection and the blocks frozen (a head alone trained) no block
+    runs a backward, the root's pre-backward prefetches the last block all the same (gathered, never used, freed at
+    the end of backward), and nothing else is gathered; a frozen prefix is prefetched by the first trained block and
+    left there; a parent group trained only after its child (its last layer) reaches the child with no gradient.
+    The printed order, the runtime's collectives and lifecycle and the cost model's agree in each case (on the commit
+    before: the plan listed backward all-gathers of groups no gradient reaches and the estimate raised "the replay
+    did not issue ... (a bug)")."""
+    rows = run_ranks(2, _frozen_issued_vs_predicted, FROZEN_CASES)
+    for rank in rows:
+        for (kind, frozen, depth), (issued, planned, predicted, printed, shown, lifecycle, replayed) in zip(
+                FROZEN_CASES, rank):
+            assert planned == issued == predicted, (kind, frozen, depth)
+            assert replayed == lifecycle, (kind, frozen, depth)
+            backward = printed[printed.index("-- backward --") + 1:]
+            # the end of backward begins after the root's reduce-scatter (a frozen root's: after its own free there)
+            last_rs = max(i for i, e in enumerate(lifecycle) if e in (("reduce-scatter issued", ""), ("freed", "")))
+            for line in backward:  # a group freed "at the end of backward" is, one freed on its reduce-scatter before
+                if line.startswith("reduce-scatter") and not line.startswith("reduce-scatter <root>"):
+                    name = line.split()[1].rstrip(",")
+                    freed = max(i for i, e in enumerate(lifecycle) if e == ("freed", name))
+                    assert (freed > last_rs) == ("at the end of backward" in line), (kind, frozen, line)
+            if kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
+                assert ("no gradient reaches a, o.inner:" if "o.inner" in frozen else "no gradient reaches a:") in shown
+            elif frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
+                assert backward == [*[f"all-gather blocks.{2 - i} (prefetch, while <root> computes; no gradient "
+                                      f"reaches it: unused, freed at the end of backward)" for i in range(depth)],
+                                    "reduce-scatter <root>, free it"], (depth, backward)
+                assert "no gradient reaches blocks.0, blocks.1, blocks.2: no parameter that takes one" in shown
+            elif frozen[-1] == "blocks.2" and frozen[0] == "inp":  # blocks.1's l1 alone trained in the blocks
+                assert "reduce-scatter blocks.1, free it at the end of backward (a frozen parameter, and no gradient " \
+                       "reaches its inputs)" in backward
+                assert [line for line in backward if "blocks.0" in line] == [
+                    "all-gather blocks.0 (prefetch, while blocks.1 computes; no gradient reaches it: unused, freed at "
+                    "the end of backward)"]
+            elif frozen[0] != "inp":  # a trained input projection: every block runs a backward
+                assert "no gradient reaches" not in shown
+
+
 def test_a_forward_out_of_the_plans_order_is_refused_with_the_fix(mesh8):
     """The runtime's forward prefetch follows the plan's order and its backward prefetch the order that ran: a
     module running its groups in another order issues other collectives than the schedule's."""
@@ -295,6 +393,78 @@ def test_estimate_under_activation_checkpointing(mesh8):
     plain, ckpt = costs
     assert ckpt.max_by_category()["activations"] < plain.max_by_category()["activations"]
     assert ckpt.bytes_by_kind() == plain.bytes_by_kind()
+
+
+class _Reentrant(_Blocks):
+    """Block 2 under reentrant activation checkpointing (its forward runs without grad, again in backward)."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for i, b in enumerate(self.blocks):
+            x = x + (checkpoint(b, x, use_reentrant=True) if i == 2 else b(x))
+        return x
+
+
+def test_reentrant_checkpointing_is_refused_with_the_way_out(mesh8):
+    """Reentrant checkpointing gathers the group through a new node inside backward (``Recompute.gather``), which the
+    replay does not model: refused up front, naming the group and the supported way (on the commit before: a
+    RuntimeError "the runtime would issue 'all-gather blocks.2' here ... (a bug ...)")."""
+    with torch.device("meta"):
+        model = _Reentrant()
+    plan = funcshard.plan(model, mesh8, groups=(nn.Sequential,))
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "group 'blocks.2' runs under reentrant activation checkpointing (torch.utils.checkpoint(..., "
+            "use_reentrant=True)") + ".*checkpoint with use_reentrant=False"):
+        C.estimate(plan, torch.empty(16, 64, device="meta"))
+
+
+def test_what_the_plan_cannot_know_of_a_frozen_model_is_refused(mesh8):
+    """Which groups a gradient reaches (``_schedule.backward_reaches``) the plan takes from the parameters that take
+    one and the module tree; the estimate holds it to the traced step and refuses where it differs: an input that
+    requires grad (plain autograd reaches every group after it), a root module registered after the groups but used
+    before them, a trained group whose forward uses none of its parameters (the runtime reduce-scatters nothing)."""
+    from models import MLP, Block
+
+    with torch.device("meta"):
+        model = MLP(layers=3)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("out"))  # a head alone trained
+    plan = funcshard.plan(model, mesh8, groups=(Block,))
+    x = torch.empty(2, 7, device="meta")
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "input(s) [0] (of the inputs' tensors, in order) require grad, and the plan's schedule takes no gradient "
+            "to reach group(s) ['blocks.0', 'blocks.1', 'blocks.2']") + ".*Pass the inputs detached"):
+        C.estimate(plan, x.requires_grad_())
+    assert C.estimate(plan, x.detach()).counts() == {"all-gather": 5, "reduce-scatter": 1}
+
+    class LateInput(nn.Module):  # the input projection registered after the blocks, used before them
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(6) for _ in range(2))
+            self.inp = nn.Linear(7, 6)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with torch.device("meta"):
+        late = LateInput()
+    late.blocks.requires_grad_(False)
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "in the traced step the gradient reaches group(s) ['blocks.0', 'blocks.1'], which the plan's schedule "
+            "takes no gradient to reach.") + ".*Register the modules in the order the forward uses them"):
+        C.estimate(funcshard.plan(late, mesh8, groups=(Block,)), x.detach())
+
+    with torch.device("meta"):
+        skipping = MLP(layers=3)
+    skipping.blocks[1].forward = lambda h: h * 2.0  # blocks.1's parameters are trained, never used
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "group(s) ['blocks.1'] have parameters that take a gradient, but no gradient reaches them") +
+            ".*freeze those parameters"):
+        C.estimate(funcshard.plan(skipping, mesh8, groups=(Block,)), x.detach())
 
 
 def test_estimate_on_a_fake_mesh_reads_the_schedule(mesh8):

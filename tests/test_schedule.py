@@ -3,6 +3,8 @@ its collectives, in its order and of its sizes; the printed plan and the runtime
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -214,3 +216,35 @@ def test_schedule_of_nested_groups():
     assert [line.split(" (")[0] for line in schedule(plan).lines()] == [
         "all-gather <root>", "all-gather 1", "free 1", "all-gather 0", "free 0", "-- backward --", "all-gather 0",
         "reduce-scatter 0, free it", "all-gather 1", "reduce-scatter 1, free it", "reduce-scatter <root>, free it"]
+
+
+def test_backward_reaches_the_groups_after_the_first_trained_parameter():
+    """``backward_reaches``: the groups whose pass closes after the first parameter that takes a gradient is used,
+    where each parameter is used by the module tree (a head after every group, a parent's first layer before its
+    child, its last layer after it); without a module tree in the plan's order, first in its group's pass."""
+    from funcshard._schedule import backward_reaches
+
+    def reached(module, groups, trained, order=None):
+        plan = _pure_plan(module, groups)
+        plan = plan.replace(specs={k: dataclasses.replace(s, requires_grad=k.startswith(trained))
+                                   for k, s in plan.specs.items()})
+        return set(backward_reaches(plan.with_order(order) if order else plan))
+
+    seq = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])  # groups 0, 1, 2; the root's 3 is the head
+    groups = [(str(i), (str(i),), (f"{i}.weight", f"{i}.bias")) for i in range(3)]
+    assert reached(seq, groups, ("3.",)) == set()  # the head alone
+    assert reached(seq, groups, ("1.",)) == {"1", "2"}
+    assert reached(seq, groups, ("3.",), order=["2", "1", "0"]) == {"0", "1", "2"}  # (no tree order: first)
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2))
+    groups = [("0", ("0",), ("0.0.weight", "0.0.bias", "0.2.weight", "0.2.bias")),
+              ("0.1", ("0.1",), ("0.1.weight", "0.1.bias"))]
+    assert reached(nested, groups, ("0.0.",)) == {"0", "0.1"}  # the parent's first layer: before its child
+    assert reached(nested, groups, ("0.2.",)) == {"0"}  # its last layer: after its child
+    assert reached(nested, groups, ("0.1.",)) == {"0", "0.1"}  # the child, and the parent enclosing it
+    plan = _pure_plan(nested, groups)
+    lines = schedule(plan.replace(specs={k: dataclasses.replace(s, requires_grad=k.startswith("0.2."))
+                                         for k, s in plan.specs.items()})).lines()
+    assert lines[lines.index("-- backward --"):] == [
+        "-- backward --", "all-gather 0 (before its backward)",
+        "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)",
+        "reduce-scatter <root>, free it"]
