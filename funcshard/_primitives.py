@@ -672,6 +672,32 @@ def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+def rows(b: Bucket, p: Param, g: torch.Tensor) -> torch.Tensor:
+    """``unflatten``'s transpose for one of the bucket's parameters: its full gradient ``g`` (``p.shape``) as its
+    columns of the all-gather layout, ``(world, p.numel)`` rank-major, zeros in the padding (torch ops only:
+    differentiable at any order)."""
+    d, shape = p.dim, list(p.padded_shape)
+    shape[d] = p.size
+    g = g.reshape(shape)
+    if p.padding:
+        shape[d] = p.padding
+        g = torch.cat([g, g.new_zeros(shape)], d)
+    split = list(p.padded_shape)
+    split[d : d + 1] = [b.world, p.padded_shape[d] // b.world]
+    return g.reshape(split).movedim(d, 0).reshape(b.world, p.numel)
+
+
+def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.Tensor:
+    """A gather's backward made of the differentiable primitives: the bucket's gradient columns ``cols``
+    (``(world, n)`` rank-major, in ``b.reduce``) divided by ``b.before``, reduce-scattered (sum) over ``group``,
+    summed over ``replicate`` (HSDP) and divided by ``b.after`` (``mean``: one divide per reverse level on every path,
+    the section's comment). Returns this rank's ``(n,)``; its backward is the gather of the cotangent (again
+    differentiable): a ``create_graph=True`` backward (``traced_apply``'s c10d gather, ``apply``'s runtime) gets
+    exact derivatives of any order."""
+    out = mean(cols, b.before).reshape(-1)
+    return mean(_Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out, b.after, replicate, b.before)
+
+
 def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:
     """The bucket's parameters (cast to ``b.compute``) from this rank's ``shards``, made of the primitives above and
     plain torch ops only, so that every torch.func transform and nesting composes (grad of grad, vmap over stacked
