@@ -45,9 +45,17 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     transform's life (no reshard after forward, no prefetch schedule), and what it refuses it refuses naming the
     transform stack. Plans the traced mode does not run (layout="flat", comm hooks, a non-root group's own casts;
     and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of
-    apply called under vmap (``jacrev`` of apply) is refused; ``torch.autograd.grad(create_graph=True)`` through
-    apply gives the right first-order gradients, and differentiating them again raises ``NotImplementedError``:
-    differentiate twice with ``traced_apply`` or ``gather``.
+    apply called under vmap (``jacrev`` of apply) is refused.
+
+    Under plain autograd with ``create_graph=True`` (``torch.autograd.grad`` or ``loss.backward``) the runtime's
+    gradients are differentiable again (a gradient penalty, a Hessian-vector product by ``grad(<g, v>)``, MAML's
+    inner step; exact as ``traced_apply``, the divide taken once per reverse level): that backward reduce-scatters
+    each group by the differentiable collectives (one synchronous reduce-scatter per group and compute dtype), and
+    from then on the step frees no group, so that its graph can read the unsharded parameters again: about the
+    model's full parameter bytes per rank, until the loss and the gradients are dropped. A backward without
+    ``create_graph`` is unchanged. Differentiating again through a group whose reduce-scatter cannot be made
+    differentiable (layout="flat", a comm hook, CPU offload, FSDP2's all-gather extension, model-sharded parameters)
+    raises ``NotImplementedError`` naming the group: use ``traced_apply`` or ``gather`` there.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So
