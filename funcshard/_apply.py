@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from funcshard._primitives import check_transforms, depends_on_gradient, transform_stack
+from funcshard._primitives import check_transforms, depends_on_gradient, divides, refuse_series, transform_stack
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
 from funcshard._shard import check_state
-from funcshard._traced import run as traced_run, unsupported
+from funcshard._traced import buckets, run as traced_run, unsupported
 from funcshard._compat import TransformType, get_interpreter_stack
 
 
@@ -115,7 +115,11 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     made = bool(stack) and stack[0].key() == TransformType.Jvp  # (no stack: plain autograd over such a state)
     for t in state.values():
         made = made or (isinstance(t, torch.Tensor) and t.grad_fn is not None)
-    if not made or not depends_on_gradient(state.values()):
+    if not made:
+        return False
+    # (a dividing group's state made from another dividing gather's output within this level: refused)
+    refuse_series([state[p.path] for b in buckets(plan) if divides(b) for p in b.params], "funcshard.apply")
+    if not depends_on_gradient(state.values()):
         return False
     if not _traced_runs(plan):
         raise NotImplementedError(

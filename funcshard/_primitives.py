@@ -248,6 +248,7 @@ class _Refused(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.refusal, ctx.n = inputs[0], inputs[1]
+        ctx._funcshard_node = "refused"  # (_toward_means stops here: a backward through it raises)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -287,7 +288,8 @@ def refuse_again(refusal: str, deps, grads) -> list:
 # received cotangent equal to the recorded sum is the first kind, none recorded the second, and anything else (both
 # at once) is refused.
 
-_NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradient's _Mean node: "mean"
+_NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradient's _Mean node: "mean"; "refused"
+_DIVIDES = "_funcshard_divides"  # on a gather's backward node: True where its backward divides or sums over replicas
 
 
 class _Paths:
@@ -391,6 +393,23 @@ def depends_on_gradient(tensors) -> bool:
     return any(v and getattr(n, _NODE, None) == "mean" for n, v in _toward_means(tensors).items())
 
 
+_SERIES = ("a gather whose gradient is divided by the plan's factor or summed over HSDP's replicas (traced_apply's, "
+           "apply's) got a state made from the output of another such gather (the parameters or the module output of "
+           "another traced_apply/apply call, through the caller's ops and collectives) within one reverse level: the "
+           "gradient would be divided at each of the two gathers (off by the divide factor, silently). Plan one of the "
+           "two calls with grad_divide_factor=1.0 and a mesh without a replicate axis (its gradients are then sums "
+           "over ranks), or gather that state with funcshard.gather (which sums)")
+
+
+def refuse_series(inputs, what: str) -> None:
+    """``inputs``: the shards a gather that divides (or sums over replicas) is about to gather. Raise ``_SERIES``
+    where one was made from the output of another dividing gather within this reverse level (``_toward_means``' walk,
+    which stops at gradients' ``_Mean``s: the next reverse level's state, MAML's, is not this case). Nothing where no
+    input has a history (a first-order step's leaves)."""
+    if _with_history(inputs) and any(getattr(n, _DIVIDES, False) for n in _toward_means(inputs)):
+        raise NotImplementedError(f"{what}: {_SERIES}")
+
+
 def _with_history(inputs) -> bool:
     """Whether a gather's ``inputs`` may depend on a gradient's ``_Mean`` (a history, or torch.func wrappers over
     one), outside torch.compile: else ``watch_means`` and ``refuse_unwatched`` walk nothing (a first-order step's
@@ -460,6 +479,7 @@ def _divide_context(ctx, inputs, output, kind: str) -> None:
     """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
     ctx.factor, ctx.group, ctx.keep = inputs[1:]
     setattr(ctx, _NODE, kind)
+    setattr(ctx, _DIVIDES, kind == "gather")  # (a _Divided exists where there is a divide or a replica sum)
 
 
 _UNWATCHED = ("the gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas "
@@ -656,6 +676,11 @@ def geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, wh
     return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
 
 
+def divides(b: Bucket) -> bool:
+    """Whether the bucket's gather divides its gradient (by the plan's factor) or sums it over HSDP's replicas."""
+    return b.before != 1.0 or b.after != 1.0 or b.replicate_group is not None
+
+
 def bucket_param(s: ShardSpec) -> Param:
     """A planned parameter's ``Param``."""
     return Param(s.fqn, s.dtype, *geometry(s.shape, s.dim, s.world), s.shape, s.aliases)
@@ -716,7 +741,9 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
-    if b.after == 1.0 and replicate is None and b.before == 1.0:  # (a summing gather: not watched)
+    if divides(b):
+        refuse_series(shards, what)
+    else:  # (a summing gather: not watched)
         refuse_unwatched(shards)
     flat = divided(flat, b.after, replicate, b.before)
     full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat

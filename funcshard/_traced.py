@@ -61,7 +61,9 @@ from funcshard._primitives import (
     bucket_param,
     check_backward_transforms,
     check_batched_grads,
+    divides,
     gather_bucket,
+    refuse_series,
     scatter_mean,
     unflatten,
     untraced,
@@ -177,8 +179,9 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.bucket = inputs[0]
-        ctx._funcshard_node = "gather"  # (for _primitives.watch_means)
+        b = ctx.bucket = inputs[0]
+        ctx._funcshard_node = "gather"  # (for _primitives.watch_means and refuse_series)
+        ctx._funcshard_divides = divides(b)
 
     @staticmethod
     def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
@@ -241,6 +244,8 @@ def _recompute_context():
 
 def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
+        if divides(b):
+            refuse_series(shards, _WHAT)  # (a leaf state, the first-order step's: nothing)
         full = _Gather.apply(b, *shards)
         watch_means(shards, full)  # (a leaf state, the first-order step's: nothing)
         return unflatten(b, full)

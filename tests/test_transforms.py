@@ -1286,3 +1286,66 @@ def test_a_dividing_gathers_gradient_gathered_again_by_another_kind():
         assert out.pop("autograd, then apply") < 1e-6 and out.pop("torch.func, then apply's backward") < 1e-6, out
         for name, text in out.items():
             assert "is gathered again by a gather that does neither" in text, (name, text)
+
+
+def _series():
+    """A state made from another traced_apply/apply call's output (a hypernetwork: one model's output is the other's
+    weight shard), both gathers dividing: each path refused; with the second plan summing (factor 1), the gradient of
+    the first model's state against the unsharded reference."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.func import functional_call, grad
+
+    import funcshard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    hyper, target = torch.nn.Linear(4, 4), torch.nn.Linear(2, 3, bias=False)  # (target's weight shard: (2, 2) at W=2)
+    p1 = funcshard.plan(hyper, mesh)
+    p2, p2_sum = funcshard.plan(target, mesh), funcshard.plan(target, mesh, grad_divide_factor=1.0)
+    s1 = funcshard.shard(p1)
+    z, x = torch.randn(1, 4), torch.randn(5, 2)
+
+    def loss(first, second, plan2):
+        def f(s):
+            state2 = {"weight": first(p1, s, z).reshape(2, 2)}
+            return second(plan2, state2, x).pow(2).sum()
+        return f
+
+    out = {}
+    apis = {"apply": funcshard.apply, "traced_apply": funcshard.traced_apply}
+    for a, first in apis.items():
+        for b, second in apis.items():
+            f = loss(first, second, p2)
+            for how, run in (("autograd", lambda: torch.autograd.grad(f(leaves := {k: v.detach().requires_grad_()
+                                                                                   for k, v in s1.items()}),
+                                                                      list(leaves.values()))),
+                             ("torch.func", lambda: grad(f)(s1))):
+                try:
+                    run()
+                    out[a, b, how] = "no error"
+                except NotImplementedError as e:
+                    out[a, b, how] = str(e)
+            got = grad(loss(first, second, p2_sum))(s1)  # (the way out: the second plan sums)
+            full = {k: v.detach().clone() for k, v in hyper.named_parameters()}
+
+            def ref(p):
+                h = functional_call(hyper, p, (z,)).reshape(2, 2)
+                return functional_call(target, {"weight": torch.cat([h, h])[:3]}, (x,)).pow(2).sum()
+            want = funcshard.shard(p1, grad(ref)(full))
+            out[a, b, "factor 1"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return out
+
+
+def test_two_dividing_gathers_in_series_are_refused():
+    """The output of one traced_apply/apply call feeding the state of another (W=2, both plans dividing): the
+    gradient would be divided at each gather (off by W, silently, before); refused on every pair of paths under
+    plain autograd and torch.func, naming grad_divide_factor=1.0; with the second plan's factor 1 the gradient is
+    the unsharded reference's (1e-6)."""
+    for out in run_ranks(2, _series):
+        for key, got in out.items():
+            if key[2] == "factor 1":
+                assert got < 1e-6, (key, got)
+            else:
+                assert re.search(r"got a state made from the output of another such gather .* divided at each of the "
+                                 r"two gathers .*grad_divide_factor=1\.0", got), (key, got)

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import check_backward_transforms, check_batched_grads, refuse_again, rows, scatter_mean
+from funcshard._primitives import (check_backward_transforms, check_batched_grads, divides, refuse_again, rows,
+                                   scatter_mean)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
@@ -207,6 +208,28 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 
 
 _GroupGatherEager = _old_style(_GroupGather)
+
+
+def _divides(ctx) -> bool:
+    """Whether an apply step's gather node divides its gradient or sums it over HSDP's replicas (read by
+    ``_primitives.refuse_series`` from a later gather's walk; not stored per forward: a class property)."""
+    step = ctx.step
+    return getattr(step, "api", None) == "funcshard.apply" and any(
+        divides(b) for b in buckets(step.plan) if b.group == ctx.name)
+
+
+def _plan_divides(plan) -> bool:
+    """Whether some group of ``plan`` divides its gradient or sums it over replicas (a whole-step gather's node)."""
+    return plan.derived("divides", lambda p: any(divides(b) for b in buckets(p)))
+
+
+def _mark_gathers() -> None:
+    """The runtime's per-group gather nodes' kind for ``_primitives``' walks (a gather: where they stop) and whether
+    they divide (``refuse_series``): class properties, read only by a walk, nothing stored per forward. (Under a
+    torch.func transform a Function's node is of a class functorch generates: ``_StepGather`` sets its own.)"""
+    for fn in (_GroupGather, _GroupGatherEager):
+        fn._backward_cls._funcshard_node = "gather"
+        fn._backward_cls._funcshard_divides = property(_divides)
 
 
 def gather_node(step: Any, name: str, token: torch.Tensor | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -517,6 +540,7 @@ class _StepGather(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         step = ctx.step = inputs[0]
         ctx.set_materialize_grads(False)
+        ctx._funcshard_node, ctx._funcshard_divides = "gather", _plan_divides(step.plan)  # (refuse_series' walk)
         # parameters that take no gradient get none computed (inputs here are unwrapped: ask the step's state)
         frozen = [o for o, t in zip(output, step.fused.inputs()) if not t.requires_grad]
         if frozen:
@@ -529,6 +553,9 @@ class _StepGather(torch.autograd.Function):
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
             out = _tracked_below(ctx.step, out)
         return (None, *out)
+
+
+_mark_gathers()
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
