@@ -477,7 +477,7 @@ _MIXED = ("the gradient taken through a gather of the state (divided by the plan
 
 def _divide_context(ctx, inputs, output, kind: str) -> None:
     """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
-    ctx.factor, ctx.group, ctx.keep = inputs[1:]
+    ctx.factor, ctx.group, ctx.keep, ctx.shard = inputs[1:]
     setattr(ctx, _NODE, kind)
     setattr(ctx, _DIVIDES, kind == "gather")  # (a _Divided exists where there is a divide or a replica sum)
 
@@ -505,7 +505,7 @@ class _Mean(torch.autograd.Function):
 
     @staticmethod
     @untraced
-    def forward(x, factor, group, keep):
+    def forward(x, factor, group, keep, shard):
         with no_functorch():
             y = _ar(x, group, "a gather's gradient all-reduce over the replicate axis") if group is not None else x
             return y / factor if factor != 1.0 else y
@@ -521,6 +521,8 @@ class _Mean(torch.autograd.Function):
             how = "batched"
         elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
             how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+        if how in ("gathers", "mixed") and getattr(ctx, "_funcshard_paths", None) is not None:
+            how = _agreed(how, ctx, c)
         if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
             raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
         if how == "mixed":
@@ -530,24 +532,39 @@ class _Mean(torch.autograd.Function):
         if how == "gathers":
             if _again():
                 raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
-            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None
-        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep), None, None, None
+            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None, None
+        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
 
     @staticmethod
     @untraced
     def jvp(ctx, t, *_):
-        return _Mean.apply(t, ctx.factor, ctx.group, ctx.keep)
+        return _Mean.apply(t, ctx.factor, ctx.group, ctx.keep, ctx.shard)
 
     @staticmethod
     @untraced
-    def vmap(info, in_dims, x, factor, group, keep):
-        return _Mean.apply(x, factor, group, keep), in_dims[0]
+    def vmap(info, in_dims, x, factor, group, keep, shard):
+        return _Mean.apply(x, factor, group, keep, shard), in_dims[0]
 
 
-def mean(g: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+def _agreed(how: str, ctx, c: torch.Tensor) -> str:
+    """``how`` as every rank of the gather sees it: "mixed" where any rank's cotangents were. The comparison is of
+    values, and a rank whose other path contributes exactly zero (a shard of padding alone: at W=4 the table's model
+    has such ranks) sees the gathers' alone; alone, it would take the identity while the others raise, and the ranks'
+    collectives part (gloo aborted). One all-reduce of a flag over the shard axis (``ctx.shard``) and one over the
+    replicate axis, in the backward of a watched ``_Mean`` only (the second reverse level of MAML with a divide)."""
+    flag = torch.tensor([float(how == "mixed")], device=c.device)
+    with no_functorch():
+        for g in (ctx.shard, ctx.group):
+            if g is not None and dist.get_world_size(g) > 1:
+                bounded_all_reduce(flag, g, "the ranks' agreement on a second-order gradient's paths (funcshard)")
+    return "mixed" if flag.item() > 0 else how
+
+
+def mean(g: torch.Tensor, factor: float, group=None, keep: float = 1.0, shard=None) -> torch.Tensor:
     """``g`` summed over ``group`` and divided by ``factor`` as ``_Mean`` (``g`` itself where there is nothing to
-    do): a gather's differentiable gradient divide."""
-    return g if factor == 1.0 and group is None else _Mean.apply(g, factor, group, keep)
+    do): a gather's differentiable gradient divide. ``shard``: the gather's shard-axis group (its ranks agree on
+    what the backward takes: ``_agreed``)."""
+    return g if factor == 1.0 and group is None else _Mean.apply(g, factor, group, keep, shard)
 
 
 class _Divided(torch.autograd.Function):
@@ -557,7 +574,7 @@ class _Divided(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, factor, group, keep):
+    def forward(x, factor, group, keep, shard):
         return x.clone()
 
     setup_context = staticmethod(functools.partial(_divide_context, kind="gather"))
@@ -565,19 +582,19 @@ class _Divided(torch.autograd.Function):
     @staticmethod
     @untraced
     def backward(ctx, g):
-        return mean(g, ctx.factor, ctx.group, ctx.keep), None, None, None
+        return mean(g, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
         return t.clone()
 
 
-def divided(x: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+def divided(x: torch.Tensor, factor: float, group=None, keep: float = 1.0, shard=None) -> torch.Tensor:
     """``x``, whose gradient is summed over ``group`` and divided by ``factor`` (``_Divided``; ``x`` itself where
-    there is nothing to do)."""
+    there is nothing to do; ``shard``: ``mean``'s)."""
     if factor == 1.0 and group is None:
         return x
-    out = _Divided.apply(x, factor, group, keep)
+    out = _Divided.apply(x, factor, group, keep, shard)
     watch_means((x,), out)
     return out
 
@@ -719,8 +736,9 @@ def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.
     the section's comment). Returns this rank's ``(n,)``; its backward is the gather of the cotangent (again
     differentiable): a ``create_graph=True`` backward (``traced_apply``'s c10d gather, ``apply``'s runtime) gets
     exact derivatives of any order."""
-    out = mean(cols, b.before).reshape(-1)
-    return mean(_Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out, b.after, replicate, b.before)
+    out = mean(cols, b.before, shard=group).reshape(-1)
+    out = _Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out
+    return mean(out, b.after, replicate, b.before, group)
 
 
 def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:
@@ -745,7 +763,7 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
         refuse_series(shards, what)
     else:  # (a summing gather: not watched)
         refuse_unwatched(shards)
-    flat = divided(flat, b.after, replicate, b.before)
+    flat = divided(flat, b.after, replicate, b.before, group)
     full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat
-    full = divided(full, b.before).to(b.compute)
+    full = divided(full, b.before, shard=group).to(b.compute)
     return unflatten(b, full)
