@@ -331,7 +331,7 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         gs = torch.autograd.grad(f(s), list(s.values()), create_graph=True)
         return dict(zip(s, torch.autograd.grad(dot(dict(zip(s, gs)), Vs, True), list(s.values()))))
 
-    def autograd_penalty():  # WGAN-GP: the input gradient's squared norm (create_graph=True), differentiated by the state
+    def autograd_penalty():  # WGAN-GP: the input gradient's squared norm (create_graph), differentiated by the state
         s, xx = leaves(), x.clone().requires_grad_()
         (gx,) = torch.autograd.grad(f(s, xx), xx, create_graph=True)
         return dict(zip(s, torch.autograd.grad(gx.pow(2).sum(), list(s.values()))))
@@ -461,7 +461,7 @@ ROWS = 23  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
 SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
 # plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
-# penalty a torch error); test_create_graph_rows (test_table: slow), with autograd_double and autograd_maml in test_table
+# penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
 CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")
 
 

@@ -171,7 +171,8 @@ class _GroupGather(torch.autograd.Function):
         grads = step.nodes.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
         if second_order(step, ctx.name):  # (apply, create_graph=True: differentiable gradients, any order)
-            return (None, None, step.relay.token_zero if ctx.token else None, *second_order_grads(step, ctx.name, grads))
+            token = step.relay.token_zero if ctx.token else None
+            return (None, None, token, *second_order_grads(step, ctx.name, grads))
         dep = _second_order_dep(grads)
         if ctx.token:
             if dep is not None:
@@ -667,8 +668,9 @@ def _refusal(step, name: str) -> str:
 
 
 def second_order(step, name: str) -> bool:
-    """Whether group ``name``'s gather node runs in a ``create_graph=True`` backward of apply's runtime that can make its
-    gradients differentiable (``second_order_grads``); then the step keeps its groups gathered (``Step.second_order``).
+    """Whether group ``name``'s gather node runs in a ``create_graph=True`` backward of apply's runtime that can make
+    its gradients differentiable (``second_order_grads``); then the step keeps its groups gathered
+    (``Step.second_order``).
     Decided by the backward's grad mode, not by the cotangents, so that every rank takes the same collectives."""
     if not create_graph_backward() or getattr(step, "api", None) != "funcshard.apply":  # (not fully_shard's, nor
         return False  # the cost model's stand-in step)
