@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from funcshard._primitives import check_transforms, depends_on_gradient, transform_stack
+from funcshard._primitives import check_transforms, depends_on_gradient, divides, refuse_series, transform_stack
 from funcshard._compile import runtime_boundary
 from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
 from funcshard._shard import check_state
-from funcshard._traced import run as traced_run, unsupported
+from funcshard._traced import buckets, run as traced_run, unsupported
 from funcshard._compat import TransformType, get_interpreter_stack
 
 
@@ -45,9 +45,17 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     transform's life (no reshard after forward, no prefetch schedule), and what it refuses it refuses naming the
     transform stack. Plans the traced mode does not run (layout="flat", comm hooks, a non-root group's own casts;
     and here model-sharded parameters, offloaded groups) refuse nested transforms as before. A vjp function of
-    apply called under vmap (``jacrev`` of apply) is refused; ``torch.autograd.grad(create_graph=True)`` through
-    apply gives the right first-order gradients, and differentiating them again raises ``NotImplementedError``:
-    differentiate twice with ``traced_apply`` or ``gather``.
+    apply called under vmap (``jacrev`` of apply) is refused.
+
+    Under plain autograd with ``create_graph=True`` (``torch.autograd.grad`` or ``loss.backward``) the runtime's
+    gradients are differentiable again (a gradient penalty, a Hessian-vector product by ``grad(<g, v>)``, MAML's
+    inner step; exact as ``traced_apply``, the divide taken once per reverse level): that backward reduce-scatters
+    each group by the differentiable collectives (one synchronous reduce-scatter per group and compute dtype), and
+    from then on the step frees no group, so that its graph can read the unsharded parameters again: about the
+    model's full parameter bytes per rank, until the loss and the gradients are dropped. A backward without
+    ``create_graph`` is unchanged. Differentiating again through a group whose reduce-scatter cannot be made
+    differentiable (layout="flat", a comm hook, CPU offload, FSDP2's all-gather extension, model-sharded parameters)
+    raises ``NotImplementedError`` naming the group: use ``traced_apply`` or ``gather`` there.
 
     Under ``torch.compile`` the module's forward is traced (each group's modules between its hooks) and the
     runtime is not: a graph break on entry, one at each group's hooks, one on exit (``funcshard._compile``). So
@@ -107,7 +115,11 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     made = bool(stack) and stack[0].key() == TransformType.Jvp  # (no stack: plain autograd over such a state)
     for t in state.values():
         made = made or (isinstance(t, torch.Tensor) and t.grad_fn is not None)
-    if not made or not depends_on_gradient(state.values()):
+    if not made:
+        return False
+    # (a dividing group's state made from another dividing gather's output within this level: refused)
+    refuse_series([state[p.path] for b in buckets(plan) if divides(b) for p in b.params], "funcshard.apply")
+    if not depends_on_gradient(state.values()):
         return False
     if not _traced_runs(plan):
         raise NotImplementedError(

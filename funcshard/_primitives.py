@@ -248,6 +248,7 @@ class _Refused(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.refusal, ctx.n = inputs[0], inputs[1]
+        ctx._funcshard_node = "refused"  # (_toward_means stops here: a backward through it raises)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -287,7 +288,8 @@ def refuse_again(refusal: str, deps, grads) -> list:
 # received cotangent equal to the recorded sum is the first kind, none recorded the second, and anything else (both
 # at once) is refused.
 
-_NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradient's _Mean node: "mean"
+_NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradient's _Mean node: "mean"; "refused"
+_DIVIDES = "_funcshard_divides"  # on a gather's backward node: True where its backward divides or sums over replicas
 
 
 class _Paths:
@@ -391,6 +393,23 @@ def depends_on_gradient(tensors) -> bool:
     return any(v and getattr(n, _NODE, None) == "mean" for n, v in _toward_means(tensors).items())
 
 
+_SERIES = ("a gather whose gradient is divided by the plan's factor or summed over HSDP's replicas (traced_apply's, "
+           "apply's) got a state made from the output of another such gather (the parameters or the module output of "
+           "another traced_apply/apply call, through the caller's ops and collectives) within one reverse level: the "
+           "gradient would be divided at each of the two gathers (off by the divide factor, silently). Plan one of the "
+           "two calls with grad_divide_factor=1.0 and a mesh without a replicate axis (its gradients are then sums "
+           "over ranks), or gather that state with funcshard.gather (which sums)")
+
+
+def refuse_series(inputs, what: str) -> None:
+    """``inputs``: the shards a gather that divides (or sums over replicas) is about to gather. Raise ``_SERIES``
+    where one was made from the output of another dividing gather within this reverse level (``_toward_means``' walk,
+    which stops at gradients' ``_Mean``s: the next reverse level's state, MAML's, is not this case). Nothing where no
+    input has a history (a first-order step's leaves)."""
+    if _with_history(inputs) and any(getattr(n, _DIVIDES, False) for n in _toward_means(inputs)):
+        raise NotImplementedError(f"{what}: {_SERIES}")
+
+
 def _with_history(inputs) -> bool:
     """Whether a gather's ``inputs`` may depend on a gradient's ``_Mean`` (a history, or torch.func wrappers over
     one), outside torch.compile: else ``watch_means`` and ``refuse_unwatched`` walk nothing (a first-order step's
@@ -458,8 +477,9 @@ _MIXED = ("the gradient taken through a gather of the state (divided by the plan
 
 def _divide_context(ctx, inputs, output, kind: str) -> None:
     """``_Mean``'s and ``_Divided``'s context: ``(factor, group, keep)`` and the node's kind for ``watch_means``."""
-    ctx.factor, ctx.group, ctx.keep = inputs[1:]
+    ctx.factor, ctx.group, ctx.keep, ctx.shard = inputs[1:]
     setattr(ctx, _NODE, kind)
+    setattr(ctx, _DIVIDES, kind == "gather")  # (a _Divided exists where there is a divide or a replica sum)
 
 
 _UNWATCHED = ("the gradient taken through a gather that divides by the plan's factor or sums over HSDP's replicas "
@@ -485,7 +505,7 @@ class _Mean(torch.autograd.Function):
 
     @staticmethod
     @untraced
-    def forward(x, factor, group, keep):
+    def forward(x, factor, group, keep, shard):
         with no_functorch():
             y = _ar(x, group, "a gather's gradient all-reduce over the replicate axis") if group is not None else x
             return y / factor if factor != 1.0 else y
@@ -501,6 +521,8 @@ class _Mean(torch.autograd.Function):
             how = "batched"
         elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
             how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+        if how in ("gathers", "mixed") and getattr(ctx, "_funcshard_paths", None) is not None:
+            how = _agreed(how, ctx, c)
         if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
             raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
         if how == "mixed":
@@ -510,24 +532,39 @@ class _Mean(torch.autograd.Function):
         if how == "gathers":
             if _again():
                 raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
-            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None
-        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep), None, None, None
+            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None, None
+        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
 
     @staticmethod
     @untraced
     def jvp(ctx, t, *_):
-        return _Mean.apply(t, ctx.factor, ctx.group, ctx.keep)
+        return _Mean.apply(t, ctx.factor, ctx.group, ctx.keep, ctx.shard)
 
     @staticmethod
     @untraced
-    def vmap(info, in_dims, x, factor, group, keep):
-        return _Mean.apply(x, factor, group, keep), in_dims[0]
+    def vmap(info, in_dims, x, factor, group, keep, shard):
+        return _Mean.apply(x, factor, group, keep, shard), in_dims[0]
 
 
-def mean(g: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+def _agreed(how: str, ctx, c: torch.Tensor) -> str:
+    """``how`` as every rank of the gather sees it: "mixed" where any rank's cotangents were. The comparison is of
+    values, and a rank whose other path contributes exactly zero (a shard of padding alone: at W=4 the table's model
+    has such ranks) sees the gathers' alone; alone, it would take the identity while the others raise, and the ranks'
+    collectives part (gloo aborted). One all-reduce of a flag over the shard axis (``ctx.shard``) and one over the
+    replicate axis, in the backward of a watched ``_Mean`` only (the second reverse level of MAML with a divide)."""
+    flag = torch.tensor([float(how == "mixed")], device=c.device)
+    with no_functorch():
+        for g in (ctx.shard, ctx.group):
+            if g is not None and dist.get_world_size(g) > 1:
+                bounded_all_reduce(flag, g, "the ranks' agreement on a second-order gradient's paths (funcshard)")
+    return "mixed" if flag.item() > 0 else how
+
+
+def mean(g: torch.Tensor, factor: float, group=None, keep: float = 1.0, shard=None) -> torch.Tensor:
     """``g`` summed over ``group`` and divided by ``factor`` as ``_Mean`` (``g`` itself where there is nothing to
-    do): a gather's differentiable gradient divide."""
-    return g if factor == 1.0 and group is None else _Mean.apply(g, factor, group, keep)
+    do): a gather's differentiable gradient divide. ``shard``: the gather's shard-axis group (its ranks agree on
+    what the backward takes: ``_agreed``)."""
+    return g if factor == 1.0 and group is None else _Mean.apply(g, factor, group, keep, shard)
 
 
 class _Divided(torch.autograd.Function):
@@ -537,7 +574,7 @@ class _Divided(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, factor, group, keep):
+    def forward(x, factor, group, keep, shard):
         return x.clone()
 
     setup_context = staticmethod(functools.partial(_divide_context, kind="gather"))
@@ -545,19 +582,19 @@ class _Divided(torch.autograd.Function):
     @staticmethod
     @untraced
     def backward(ctx, g):
-        return mean(g, ctx.factor, ctx.group, ctx.keep), None, None, None
+        return mean(g, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
 
     @staticmethod
     def jvp(ctx, t, *_):
         return t.clone()
 
 
-def divided(x: torch.Tensor, factor: float, group=None, keep: float = 1.0) -> torch.Tensor:
+def divided(x: torch.Tensor, factor: float, group=None, keep: float = 1.0, shard=None) -> torch.Tensor:
     """``x``, whose gradient is summed over ``group`` and divided by ``factor`` (``_Divided``; ``x`` itself where
-    there is nothing to do)."""
+    there is nothing to do; ``shard``: ``mean``'s)."""
     if factor == 1.0 and group is None:
         return x
-    out = _Divided.apply(x, factor, group, keep)
+    out = _Divided.apply(x, factor, group, keep, shard)
     watch_means((x,), out)
     return out
 
@@ -656,6 +693,11 @@ def geometry(shape: tuple[int, ...], dim: int, world: int) -> tuple:  # lock, wh
     return s.local_numel, s.local_shape, s.dim, s.padded_shape, s.size, s.padding
 
 
+def divides(b: Bucket) -> bool:
+    """Whether the bucket's gather divides its gradient (by the plan's factor) or sums it over HSDP's replicas."""
+    return b.before != 1.0 or b.after != 1.0 or b.replicate_group is not None
+
+
 def bucket_param(s: ShardSpec) -> Param:
     """A planned parameter's ``Param``."""
     return Param(s.fqn, s.dtype, *geometry(s.shape, s.dim, s.world), s.shape, s.aliases)
@@ -670,6 +712,33 @@ def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
         k += p.numel
         out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
     return tuple(out)
+
+
+def rows(b: Bucket, p: Param, g: torch.Tensor) -> torch.Tensor:
+    """``unflatten``'s transpose for one of the bucket's parameters: its full gradient ``g`` (``p.shape``) as its
+    columns of the all-gather layout, ``(world, p.numel)`` rank-major, zeros in the padding (torch ops only:
+    differentiable at any order)."""
+    d, shape = p.dim, list(p.padded_shape)
+    shape[d] = p.size
+    g = g.reshape(shape)
+    if p.padding:
+        shape[d] = p.padding
+        g = torch.cat([g, g.new_zeros(shape)], d)
+    split = list(p.padded_shape)
+    split[d : d + 1] = [b.world, p.padded_shape[d] // b.world]
+    return g.reshape(split).movedim(d, 0).reshape(b.world, p.numel)
+
+
+def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.Tensor:
+    """A gather's backward made of the differentiable primitives: the bucket's gradient columns ``cols``
+    (``(world, n)`` rank-major, in ``b.reduce``) divided by ``b.before``, reduce-scattered (sum) over ``group``,
+    summed over ``replicate`` (HSDP) and divided by ``b.after`` (``mean``: one divide per reverse level on every path,
+    the section's comment). Returns this rank's ``(n,)``; its backward is the gather of the cotangent (again
+    differentiable): a ``create_graph=True`` backward (``traced_apply``'s c10d gather, ``apply``'s runtime) gets
+    exact derivatives of any order."""
+    out = mean(cols, b.before, shard=group).reshape(-1)
+    out = _Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out
+    return mean(out, b.after, replicate, b.before, group)
 
 
 def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:
@@ -690,9 +759,11 @@ def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcsha
                 f"{b.reduce}, or a reduce_dtype equal to the param_dtype")
         gd = b.reduce
     flat = torch.cat([s.reshape(-1).to(gd) for s in shards])
-    if b.after == 1.0 and replicate is None and b.before == 1.0:  # (a summing gather: not watched)
+    if divides(b):
+        refuse_series(shards, what)
+    else:  # (a summing gather: not watched)
         refuse_unwatched(shards)
-    flat = divided(flat, b.after, replicate, b.before)
+    flat = divided(flat, b.after, replicate, b.before, group)
     full = _Collective.apply(flat, "all_gather", group) if b.world > 1 else flat
-    full = divided(full, b.before).to(b.compute)
+    full = divided(full, b.before, shard=group).to(b.compute)
     return unflatten(b, full)

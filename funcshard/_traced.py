@@ -61,9 +61,10 @@ from funcshard._primitives import (
     bucket_param,
     check_backward_transforms,
     check_batched_grads,
+    divides,
     gather_bucket,
-    mean,
-    reduce_scatter,
+    refuse_series,
+    scatter_mean,
     unflatten,
     untraced,
     watch_means,
@@ -115,7 +116,14 @@ def _layout(plan: Plan) -> _Layout:
     pg, _ = plan.shard_group()
     rep = plan.replicate_group()
     _GROUPS.update((g.group_name, g) for g in (pg, rep) if g is not None)
-    buckets = []
+    root = plan.groups[0]
+    return _Layout(_buckets(plan), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
+
+
+def _buckets(plan: Plan) -> tuple[Bucket, ...]:
+    pg, _ = plan.shard_group()
+    rep = plan.replicate_group()
+    out = []
     for g in plan.groups:
         by_dtype: dict[torch.dtype, list] = {}
         for p in g.params:
@@ -124,12 +132,18 @@ def _layout(plan: Plan) -> _Layout:
         for dt, specs in by_dtype.items():
             rdt = reduce_dtype_of(dt, g.reduce_dtype)
             before, after = divide_factors(plan.divide_factor_of(g), rdt)
-            buckets.append(Bucket(
+            out.append(Bucket(
                 g.name, dt, rdt, before, after, plan.world, pg.group_name, None if rep is None else rep.group_name,
                 tuple(bucket_param(s) for s in specs),
                 bool(g.reshard_after_forward)))
-    root = plan.groups[0]
-    return _Layout(tuple(buckets), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
+    return tuple(out)
+
+
+def buckets(plan: Plan) -> tuple[Bucket, ...]:
+    """The plan's buckets (each group's parameters by compute dtype, with the reduce dtype and the divide factors),
+    made once per plan, whatever else of the plan the traced mode runs: its gathers', and the buckets ``apply``'s
+    runtime reduce-scatters by in a ``create_graph=True`` backward (``_runtime.strategies.second_order_grads``)."""
+    return plan.derived("buckets", _buckets)
 
 
 _GROUPS: dict = {}  # process group name -> group: the differentiable backward's (create_graph=True) collectives
@@ -165,8 +179,9 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.bucket = inputs[0]
-        ctx._funcshard_node = "gather"  # (for _primitives.watch_means)
+        b = ctx.bucket = inputs[0]
+        ctx._funcshard_node = "gather"  # (for _primitives.watch_means and refuse_series)
+        ctx._funcshard_divides = divides(b)
 
     @staticmethod
     def vmap(info, in_dims, b: Bucket, *shards: torch.Tensor):
@@ -191,9 +206,7 @@ class _Gather(torch.autograd.Function):
         inp = torch.cat([cols[i] for i in reduced], dim=1).to(b.reduce)  # (world, reduced elements)
         if not compiling and grad.requires_grad and torch.is_grad_enabled():
             # create_graph=True: the differentiable collectives and divide (_primitives.mean: exact at second order)
-            pg, rep = _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group)
-            out = mean(inp, b.before).reshape(-1)
-            out = mean(reduce_scatter(out, pg) if b.world > 1 else out, b.after, rep, b.before)
+            out = scatter_mean(b, inp, _GROUPS[b.shard_group], _GROUPS.get(b.replicate_group))
         else:
             if b.before != 1.0:
                 inp = inp / b.before
@@ -231,6 +244,8 @@ def _recompute_context():
 
 def _gather_bucket(b: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if any(s.requires_grad for s in shards):
+        if divides(b):
+            refuse_series(shards, _WHAT)  # (a leaf state, the first-order step's: nothing)
         full = _Gather.apply(b, *shards)
         watch_means(shards, full)  # (a leaf state, the first-order step's: nothing)
         return unflatten(b, full)

@@ -8,6 +8,7 @@ the derivative of its own function along every rank's tangent together.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -246,8 +247,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
-    if path in ("apply", "apply_sum") and row in (*APPLY_CREATE_GRAPH, "func_then_autograd_maml"):  # (the runtime's
-        return _APPLY_SECOND  # first-order backward; the last: its torch.func.grad gradient, differentiated below)
+    if path in ("apply", "apply_sum") and row == "func_then_autograd_maml":  # (the runtime's torch.func.grad
+        return _APPLY_SECOND  # gradient, differentiated below the transform)
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
@@ -325,6 +326,30 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         return dict(zip(s, torch.autograd.grad(f({k: t - LR * gk for (k, t), gk in zip(s.items(), gs)}),
                                                list(s.values()))))
 
+    def autograd_hvp():  # grad of <g, v>, g taken with create_graph=True (reverse over reverse)
+        s = leaves()
+        gs = torch.autograd.grad(f(s), list(s.values()), create_graph=True)
+        return dict(zip(s, torch.autograd.grad(dot(dict(zip(s, gs)), Vs, True), list(s.values()))))
+
+    def autograd_penalty():  # WGAN-GP: the input gradient's squared norm (create_graph), differentiated by the state
+        s, xx = leaves(), x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(f(s, xx), xx, create_graph=True)
+        return dict(zip(s, torch.autograd.grad(gx.pow(2).sum(), list(s.values()))))
+
+    def backward_gnorm():  # loss.backward(create_graph=True): the gradients' norm from .grad, differentiated
+        s = leaves()
+        with warnings.catch_warnings():  # (torch's advice to prefer autograd.grad: the .grad reference cycle)
+            warnings.filterwarnings("ignore", r"Using backward\(\) with create_graph=True")
+            f(s).backward(create_graph=True)
+        norm2 = funcshard.all_reduce(sum(t.grad.pow(2).sum() for t in s.values()), plan.mesh)
+        return dict(zip(s, torch.autograd.grad(norm2, list(s.values()))))
+
+    def backward_maml():  # the inner step by autograd.grad(create_graph=True), the meta-gradient by .backward()
+        s = leaves()
+        gs = torch.autograd.grad(f(s), list(s.values()), create_graph=True)
+        f({k: t - LR * gk for (k, t), gk in zip(s.items(), gs)}).backward()
+        return {k: t.grad for k, t in s.items()}
+
     def func_then_autograd_maml():  # (the inner step by torch.func, the meta-gradient by plain autograd)
         s = leaves()
         maml(f, grad(f), LR)(s).backward()
@@ -354,9 +379,14 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                       lambda: sh_batched(scaled(vmap(grad(ref_one), in_dims=(None, 0))(full, xs)), len(xs))),
         "grad_gnorm": (lambda: grad(gnorm)(state), lambda: sh(scaled(grad(ref_gnorm)(full)))),
         "autograd_double": (autograd_double, lambda: sh(scaled(grad(ref_gnorm)(full)))),
+        "backward_gnorm": (backward_gnorm, lambda: sh(scaled(grad(ref_gnorm)(full)))),
+        "autograd_hvp": (autograd_hvp, lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
+        "autograd_penalty": (autograd_penalty,
+                             lambda: sh(scaled(grad(lambda p: grad(lambda xx: ref(p, xx))(x).pow(2).sum())(full)))),
         "maml": (lambda: grad(maml(f, grad(f), LR))(state),
                  lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "autograd_maml": (autograd_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "backward_maml": (backward_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
@@ -412,7 +442,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
                 continue
             for name, (got, want) in _table_rows(plan, out, c, kind.frozen, kind.compute).items():
                 if (name not in names) if names else (name in ONLY_NAMED or (name in SECOND_ROWS and not every)
-                                                      or (path.startswith("apply") and name in APPLY_CREATE_GRAPH)):
+                                                      or (name in CREATE_GRAPH_ROWS and not every)):
                     continue
                 key = f"{path}/{pname}/{name}"
                 try:
@@ -427,10 +457,12 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 19  # (_table_rows, but ONLY_NAMED)
+ROWS = 23  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
 SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
-APPLY_CREATE_GRAPH = ("autograd_double", "autograd_maml")  # apply's runtime: refused (test_apply_create_graph_is_refused_at_second_order)
+# plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
+# penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
+CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")
 
 
 def _check_table(res, world, hsdp=False):
@@ -458,9 +490,9 @@ def test_table(world):
     through a divided gather (W > 1) or over HSDP, jacrev of apply."""
     plans = ("root",) if world == 1 else ("root", "per_block")
     every = world == 4  # (the default suite: SECOND_ROWS in test_second_order_rows)
-    rows = ROWS - (0 if every else len(SECOND_ROWS))
+    rows = ROWS - (0 if every else len(SECOND_ROWS) + len(CREATE_GRAPH_ROWS))
     for res in run_ranks(world, _table, plans, None, False, None, every):
-        assert len(res) == len(plans) * (5 * rows - 2 * len(APPLY_CREATE_GRAPH)), sorted(res)
+        assert len(res) == len(plans) * 5 * rows, sorted(res)
         _check_table(res, world)
     if world == 2:  # HSDP, a (2, 1) mesh: the gradients' sum over the replicate axis (traced: _primitives.divided)
         for res in run_ranks(world, _table, ("root",), None, True, None, every):
@@ -500,7 +532,7 @@ def test_table_over_plans(world, quick):
     ``-m slow``."""
     names, paths = (QUICK_ROWS, QUICK_PATHS) if quick else (None, None)
     for res in run_ranks(world, _table, OTHER_PLANS, names, False, paths, timeout=600):
-        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * ROWS - 2 * len(APPLY_CREATE_GRAPH)
+        cells = len(QUICK_ROWS) * len(QUICK_PATHS) if quick else 5 * ROWS
         assert len(res) == len(OTHER_PLANS) * cells, sorted(res)
         _check_table(res, world)
 
@@ -520,27 +552,105 @@ def test_third_reverse_level(paths):
 def test_table_hsdp_2x2():
     """Two reverse levels (and the first-order rows they build on) over an HSDP (2, 2) mesh at W=4, every path, on
     the root and per-block plans: the replicas' sum and the plan's divide taken once per level."""
-    rows = ("grad", "vmap_grad", "hvp", *SECOND_REVERSE)
+    rows = ("grad", "vmap_grad", "hvp", *SECOND_REVERSE, *CREATE_GRAPH_ROWS)
     for res in run_ranks(4, _table, ("root", "per_block"), rows, (2, 2), timeout=600):
         assert len(res) == 2 * 5 * len(rows), sorted(res)
         _check_table(res, 4, hsdp=True)
 
 
+@pytest.mark.parametrize("world,hsdp,plans", [
+    (2, False, ("root", "per_block")),
+    pytest.param(1, False, ("root", "per_block"), marks=pytest.mark.slow),
+    pytest.param(2, True, ("root", "per_block"), marks=pytest.mark.slow),
+    pytest.param(2, False, OTHER_PLANS, marks=pytest.mark.slow)])
+def test_create_graph_rows(world, hsdp, plans):
+    """Plain autograd's ``create_graph=True`` gradients differentiated again, on every path (apply: its runtime), with
+    the plan's divide factor and with factor 1, against the unsharded reference (fp32, 1e-6): grad of <g, v> (an HVP),
+    the WGAN-GP penalty (the input gradient's squared norm differentiated by the state), ``loss.backward(
+    create_graph=True)`` then the norm of ``.grad`` differentiated, MAML's meta-gradient by ``.backward()``
+    (``autograd_double`` and ``autograd_maml``: test_table). Default: W=2, root and per-block plans; slow: W=1,
+    HSDP (2, 1), the other plans (nested, tied, frozen, bf16); W=4 and HSDP (2, 2) in test_table and
+    test_table_hsdp_2x2. Before, on apply: refused (``NotImplementedError``), the penalty a torch error on freed
+    storage ("setStorage ... out of bounds")."""
+    for res in run_ranks(world, _table, plans, CREATE_GRAPH_ROWS, hsdp, timeout=600):
+        assert len(res) == len(plans) * 5 * len(CREATE_GRAPH_ROWS), sorted(res)
+        _check_table(res, world, hsdp)
+
+
+_APPLY_SECOND = (r"funcshard\.apply: a gradient taken by torch\.func\.grad .* differentiated again by plain autograd "
+                 r"below the transform .*create_graph=True.*funcshard\.traced_apply or funcshard\.gather")
+_NOT_DIFFERENTIABLE = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again through "
+                       r"group '(?P<group>[^']*)', whose reduce-scatter apply's runtime cannot make differentiable: "
+                       r"(?P<why>.*)\. The first-order values are right.*funcshard\.traced_apply or funcshard\.gather")
+
+
 def _apply_create_graph():
-    return {k: v for k, v in _table(("root",), APPLY_CREATE_GRAPH).items() if k.startswith("apply")}
+    """apply's runtime under ``create_graph=True``: the collectives of a plain backward and of a create_graph one (one
+    reduce-scatter per bucket, by the differentiable collectives); what a flat-layout plan and a comm hook's group
+    raise when differentiated again (first-order values equal to a plain backward's); the WGAN-GP penalty on the flat
+    plan (first order through the gather: exact)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from funcshard._traced import buckets
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m = _model()
+    x = torch.randn(5, 4)
+    full = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    xx = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(torch.func.functional_call(m, full, (xx,)).pow(2).sum(), xx, create_graph=True)
+    ref_penalty = dict(zip(full, torch.autograd.grad(gx.pow(2).sum(), list(full.values()))))
+    out = {}
+    plans = {"per_block": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)),
+             "flat": funcshard.plan(m, mesh, groups=(torch.nn.Linear,), layout="flat"),
+             "comm": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)).with_group(
+                 "2", comm=funcshard.bf16_reduce_scatter())}
+    for name, plan in plans.items():
+        leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        loss = lambda: funcshard.apply(plan, leaves, x).pow(2).sum()  # noqa: E731
+        plain = []
+        counts = {"plain": _counted(lambda: plain.extend(torch.autograd.grad(loss(), list(leaves.values()))))}
+        gs = []
+        counts["create_graph"] = _counted(lambda: gs.extend(torch.autograd.grad(loss(), list(leaves.values()),
+                                                                                 create_graph=True)))
+        out[name, "counts"] = counts, len(buckets(plan))
+        out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
+        try:
+            torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
+            out[name, "again"] = "no error"
+        except NotImplementedError as e:
+            out[name, "again"] = str(e)
+        if name == "flat":
+            xx = x.clone().requires_grad_()
+            (gx,) = torch.autograd.grad(funcshard.apply(plan, leaves, xx).pow(2).sum(), xx, create_graph=True)
+            got = torch.autograd.grad(gx.pow(2).sum(), list(leaves.values()))
+            want = funcshard.shard(plan, ref_penalty)
+            out[name, "penalty"] = all(torch.allclose(a, want[k], rtol=1e-6, atol=1e-6) for k, a in zip(leaves, got))
+    return out
 
 
-_APPLY_SECOND = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again .* "
-                 r"funcshard\.traced_apply or funcshard\.gather")
+def test_apply_create_graph_collectives_and_refusals():
+    """apply's runtime under ``torch.autograd.grad(create_graph=True)`` (W=2, a group per Linear): a plain backward
+    issues the runtime's collectives (3 all-gathers in forward, 3 again in backward, 3 reduce-scatters), a
+    create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
+    the same first-order values bit for bit.
+    Still refused when differentiated again, naming the group and the case: a layout="flat" plan and a group with a
+    comm hook (its reduce-scatter would be bypassed); the WGAN-GP penalty on the flat plan is exact (its second
+    backward is first order through the gather)."""
+    import re
 
-
-def test_apply_create_graph_is_refused_at_second_order():
-    """``torch.autograd.grad(create_graph=True)`` through apply's runtime, then differentiated again (grad of a
-    gradient norm, MAML): refused naming the traced path (before: a warning and the second-order term missing,
-    measured 2e-2 off at W=2)."""
-    for res in run_ranks(2, _apply_create_graph):
-        assert len(res) == 2 * len(APPLY_CREATE_GRAPH), sorted(res)
-        _check_table(res, 2)
+    for out in run_ranks(2, _apply_create_graph):
+        counts, n = out["per_block", "counts"]
+        assert n == 3 and counts["plain"] == counts["create_graph"] == ["ag"] * 6 + ["rs"] * 3, out
+        assert all(out[p, "same"] for p in ("per_block", "flat", "comm")), out
+        assert out["per_block", "again"] == "no error", out
+        for name, groups, why in (("flat", ("0", "2", "4"), r"layout='flat'"),
+                                  ("comm", ("2",), r"it has a comm hook \(Group\.comm\)")):
+            m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
+            assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
+        assert out["flat", "penalty"] is True, out
 
 
 def _counted(fn):
@@ -1176,3 +1286,66 @@ def test_a_dividing_gathers_gradient_gathered_again_by_another_kind():
         assert out.pop("autograd, then apply") < 1e-6 and out.pop("torch.func, then apply's backward") < 1e-6, out
         for name, text in out.items():
             assert "is gathered again by a gather that does neither" in text, (name, text)
+
+
+def _series():
+    """A state made from another traced_apply/apply call's output (a hypernetwork: one model's output is the other's
+    weight shard), both gathers dividing: each path refused; with the second plan summing (factor 1), the gradient of
+    the first model's state against the unsharded reference."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.func import functional_call, grad
+
+    import funcshard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    hyper, target = torch.nn.Linear(4, 4), torch.nn.Linear(2, 3, bias=False)  # (target's weight shard: (2, 2) at W=2)
+    p1 = funcshard.plan(hyper, mesh)
+    p2, p2_sum = funcshard.plan(target, mesh), funcshard.plan(target, mesh, grad_divide_factor=1.0)
+    s1 = funcshard.shard(p1)
+    z, x = torch.randn(1, 4), torch.randn(5, 2)
+
+    def loss(first, second, plan2):
+        def f(s):
+            state2 = {"weight": first(p1, s, z).reshape(2, 2)}
+            return second(plan2, state2, x).pow(2).sum()
+        return f
+
+    out = {}
+    apis = {"apply": funcshard.apply, "traced_apply": funcshard.traced_apply}
+    for a, first in apis.items():
+        for b, second in apis.items():
+            f = loss(first, second, p2)
+            for how, run in (("autograd", lambda: torch.autograd.grad(f(leaves := {k: v.detach().requires_grad_()
+                                                                                   for k, v in s1.items()}),
+                                                                      list(leaves.values()))),
+                             ("torch.func", lambda: grad(f)(s1))):
+                try:
+                    run()
+                    out[a, b, how] = "no error"
+                except NotImplementedError as e:
+                    out[a, b, how] = str(e)
+            got = grad(loss(first, second, p2_sum))(s1)  # (the way out: the second plan sums)
+            full = {k: v.detach().clone() for k, v in hyper.named_parameters()}
+
+            def ref(p):
+                h = functional_call(hyper, p, (z,)).reshape(2, 2)
+                return functional_call(target, {"weight": torch.cat([h, h])[:3]}, (x,)).pow(2).sum()
+            want = funcshard.shard(p1, grad(ref)(full))
+            out[a, b, "factor 1"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return out
+
+
+def test_two_dividing_gathers_in_series_are_refused():
+    """The output of one traced_apply/apply call feeding the state of another (W=2, both plans dividing): the
+    gradient would be divided at each gather (off by W, silently, before); refused on every pair of paths under
+    plain autograd and torch.func, naming grad_divide_factor=1.0; with the second plan's factor 1 the gradient is
+    the unsharded reference's (1e-6)."""
+    for out in run_ranks(2, _series):
+        for key, got in out.items():
+            if key[2] == "factor 1":
+                assert got < 1e-6, (key, got)
+            else:
+                assert re.search(r"got a state made from the output of another such gather .* divided at each of the "
+                                 r"two gathers .*grad_divide_factor=1\.0", got), (key, got)

@@ -28,7 +28,7 @@ from funcshard._runtime.binding import Slots
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part, failing
-from funcshard._runtime.strategies import FusedState, NodeState, take_grads_hook
+from funcshard._runtime.strategies import FusedState, NodeState, create_graph_backward, take_grads_hook
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -108,7 +108,11 @@ class GroupRun(Part):
         self.buffers.reshard_to(step.plan, k)
 
     def free_after_backward(self) -> None:
-        if self.buffers.group.reshard_after_backward:
+        """Free the group after its backward if its plan says so; never in a step whose backward ran with
+        ``create_graph=True`` (``Step.second_order``): the graph that backward made reads the unsharded parameters when
+        it is differentiated (views of these buffers, which a free would empty), so they stay until the step goes with
+        its graph."""
+        if self.buffers.group.reshard_after_backward and not self.step.second_order:
             self.reshard()
 
     def release(self) -> None:
@@ -227,6 +231,8 @@ class GroupRun(Part):
         backward, swap it in for a recomputation."""
         step, gb, name = self.step, self.buffers, self.name
         step.pre_backward_ran.add(name)
+        if step.sink is None and create_graph_backward():  # (apply: keep what that backward's graph reads)
+            step.second_order = True
         self.gather_and_prefetch(backward=True)
         if ((self.slots.views is None or not self.node.views_grad) and gb.trainable
                 and not step.fused_on and gb.status is Status.GATHERED and step.nodes.saved_views(name) is None):

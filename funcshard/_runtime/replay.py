@@ -104,7 +104,7 @@ class ReplayStep:
     def __init__(self, plan: Plan, ledger: Any, frozen: frozenset[str], trainable: frozenset[str]):
         self.plan = plan
         self.pg, self.rank, self.replicate_pg, self.sink = None, 0, None, None
-        self.backward_started = False
+        self.backward_started, self.second_order = False, False  # (first order)
         self.checks = _Checks()
         self.groups = {g.name: StandIn(g, ledger, g.name in frozen, g.name in trainable) for g in plan.groups}
         self.runs = {name: GroupRun(self, gb, _Slots()) for name, gb in self.groups.items()}

@@ -133,6 +133,9 @@ class Step:
         self.backward_task = -1
         self.graph = False  # a forward of this step recorded autograd history
         self.done = False  # a backward of this step completed
+        # apply: a backward with create_graph=True ran, whose graph reads the unsharded parameters again when it is
+        # differentiated: no group is freed after backward from then on (GroupRun.free_after_backward)
+        self.second_order = False
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
         self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import check_backward_transforms, check_batched_grads, refuse_again
+from funcshard._primitives import (check_backward_transforms, check_batched_grads, divides, refuse_again, rows,
+                                   scatter_mean)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
@@ -43,7 +44,8 @@ from funcshard._compat import (
     will_engine_execute_node,
 )
 from funcshard._runtime.part import Part
-from funcshard._schedule import reduce_scatter_depth
+from funcshard._schedule import label, reduce_scatter_depth
+from funcshard._traced import buckets
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -168,13 +170,16 @@ class _GroupGather(torch.autograd.Function):
         step = ctx.step
         grads = step.nodes.given_grads(ctx.name, grads)
         check_batched_grads("funcshard.apply", grads)
+        if second_order(step, ctx.name):  # (apply, create_graph=True: differentiable gradients, any order)
+            token = step.relay.token_zero if ctx.token else None
+            return (None, None, token, *second_order_grads(step, ctx.name, grads))
         dep = _second_order_dep(grads)
         if ctx.token:
             if dep is not None:
                 step.relay.dep = dep  # (the shards' relay returns their gradients: refused if differentiated again)
             step.runs[ctx.name].reduce_later(grads, step.relay)
             return (None, None, step.relay.token_zero, *[None] * len(grads))
-        return (None, None, None, *first_order(dep, step.runs[ctx.name].post_backward(grads)))
+        return (None, None, None, *first_order(dep, step.runs[ctx.name].post_backward(grads), step, ctx.name))
 
     @staticmethod
     def jvp(ctx, _step, _name, _token, *tangents):
@@ -204,6 +209,28 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 
 
 _GroupGatherEager = _old_style(_GroupGather)
+
+
+def _divides(ctx) -> bool:
+    """Whether an apply step's gather node divides its gradient or sums it over HSDP's replicas (read by
+    ``_primitives.refuse_series`` from a later gather's walk; not stored per forward: a class property)."""
+    step = ctx.step
+    return getattr(step, "api", None) == "funcshard.apply" and any(
+        divides(b) for b in buckets(step.plan) if b.group == ctx.name)
+
+
+def _plan_divides(plan) -> bool:
+    """Whether some group of ``plan`` divides its gradient or sums it over replicas (a whole-step gather's node)."""
+    return plan.derived("divides", lambda p: any(divides(b) for b in buckets(p)))
+
+
+def _mark_gathers() -> None:
+    """The runtime's per-group gather nodes' kind for ``_primitives``' walks (a gather: where they stop) and whether
+    they divide (``refuse_series``): class properties, read only by a walk, nothing stored per forward. (Under a
+    torch.func transform a Function's node is of a class functorch generates: ``_StepGather`` sets its own.)"""
+    for fn in (_GroupGather, _GroupGatherEager):
+        fn._backward_cls._funcshard_node = "gather"
+        fn._backward_cls._funcshard_divides = property(_divides)
 
 
 def gather_node(step: Any, name: str, token: torch.Tensor | None, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -241,7 +268,7 @@ class _Relay(torch.autograd.Function):
     def backward(ctx, _token_grad):
         relay = ctx.step.relay
         return (None, None, None, *first_order(relay.dep if torch.is_grad_enabled() else None,
-                                               relay.grads(ctx.name, ctx.index)))
+                                               relay.grads(ctx.name, ctx.index), ctx.step, ctx.name))
 
 
 class Relay(Part):
@@ -514,6 +541,7 @@ class _StepGather(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         step = ctx.step = inputs[0]
         ctx.set_materialize_grads(False)
+        ctx._funcshard_node, ctx._funcshard_divides = "gather", _plan_divides(step.plan)  # (refuse_series' walk)
         # parameters that take no gradient get none computed (inputs here are unwrapped: ask the step's state)
         frozen = [o for o, t in zip(output, step.fused.inputs()) if not t.requires_grad]
         if frozen:
@@ -526,6 +554,9 @@ class _StepGather(torch.autograd.Function):
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
             out = _tracked_below(ctx.step, out)
         return (None, *out)
+
+
+_mark_gathers()
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -583,21 +614,98 @@ def _saving_views():
 
 
 _SECOND_ORDER = (
-    "funcshard.apply: a gradient taken with create_graph=True was differentiated again (or a torch.func.grad gradient "
-    "differentiated by plain autograd; grad of a gradient, MAML, a Hessian-vector product): apply's runtime reduce-scatters the gradient outside autograd, so the terms through the "
-    "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
-    "returned. For second order run the same loss with funcshard.traced_apply or funcshard.gather + "
-    "torch.func.functional_call (their collectives are differentiable at any order), or under "
-    "torch.func.grad(grad(...)), where apply runs the traced path itself")
+    "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
+    "differentiated again by plain autograd below the transform (MAML's meta-gradient by loss.backward() over an inner "
+    "torch.func.grad): the runtime's whole-step gather under torch.func reduce-scatters outside autograd, so the terms "
+    "through the parameters' gather would be missing (a wrong second derivative). The first-order values are right "
+    "and were returned. Take the inner gradient with torch.autograd.grad(..., create_graph=True) (apply's runtime "
+    "differentiates it again), nest torch.func transforms (torch.func.grad(grad(...)): apply runs the traced path), or "
+    "use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
+
+_NOT_DIFFERENTIABLE = (
+    "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
+    "reduce-scatter apply's runtime cannot make differentiable: {why}. The first-order values are right and were "
+    "returned. For second order use a plan without it, or funcshard.traced_apply or funcshard.gather + "
+    "torch.func.functional_call (their collectives are differentiable at any order)")
+
+
+def create_graph_backward() -> bool:
+    """A plain-autograd backward with ``create_graph=True`` runs (its grad mode; not torch.func's levels, which
+    differentiate with create_graph=True too: a nested transform runs the traced path, not this runtime)."""
+    return torch.is_grad_enabled() and not get_interpreter_stack()
 
 
 def _second_order_dep(cotangents) -> torch.Tensor | None:
     """In a plain-autograd backward with create_graph=True, an incoming cotangent that carries a graph (else None).
-    (torch.func.grad differentiates with create_graph=True too: its gradients differentiated again below the transform
-    are ``_tracked_below``'s; a nested transform runs the traced path, not this runtime.)"""
-    if not torch.is_grad_enabled() or get_interpreter_stack():
+    (torch.func.grad's gradients differentiated again below the transform are ``_tracked_below``'s.)"""
+    if not create_graph_backward():
         return None
     return next((g for g in cotangents if g is not None and g.requires_grad), None)
+
+
+def not_differentiable(step, name: str) -> str | None:
+    """Why apply's runtime cannot reduce-scatter group ``name``'s gradients with the differentiable collectives in a
+    ``create_graph=True`` backward (None: it can; ``second_order_grads``)."""
+    plan, gb = step.plan, step.groups[name]
+    g = gb.group
+    if plan.layout != "per_param":
+        return f"layout={plan.layout!r} (its shards are pieces of one buffer, not a parameter's rows)"
+    if g.comm is not None:
+        return "it has a comm hook (Group.comm), which the differentiable reduce-scatter would bypass"
+    if g.offload_to_cpu:
+        return "it offloads to the host (CPUOffloadPolicy)"
+    if gb.ext is not None:
+        return "its parameters define FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather)"
+    if model := [p for p in g.params if plan.specs[p].model is not None]:
+        return f"model-sharded (tensor-parallel DTensor) parameters {model}"
+    return None
+
+
+def _refusal(step, name: str) -> str:
+    """What differentiating the runtime's first-order gradients of group ``name`` again raises."""
+    why = not_differentiable(step, name) if getattr(step, "api", None) == "funcshard.apply" else None
+    return _SECOND_ORDER if why is None else _NOT_DIFFERENTIABLE.format(group=label(name), why=why)
+
+
+def second_order(step, name: str) -> bool:
+    """Whether group ``name``'s gather node runs in a ``create_graph=True`` backward of apply's runtime that can make
+    its gradients differentiable (``second_order_grads``); then the step keeps its groups gathered
+    (``Step.second_order``).
+    Decided by the backward's grad mode, not by the cotangents, so that every rank takes the same collectives."""
+    if not create_graph_backward() or getattr(step, "api", None) != "funcshard.apply":  # (not fully_shard's, nor
+        return False  # the cost model's stand-in step)
+    if not_differentiable(step, name) is not None:
+        return False
+    step.second_order = True
+    return True
+
+
+def second_order_grads(step, name: str, grads: list) -> list:
+    """Group ``name``'s shard gradients in a ``create_graph=True`` backward: its full gradients ``grads`` (consumed)
+    reduce-scattered and divided as its runtime would (the plan's buckets, divide factors and reduce dtype;
+    ``_traced.buckets``), by the differentiable collectives (``_primitives.rows``, ``scatter_mean``: the traced path's
+    create_graph backward), so that differentiating them again gets every term through the gather, with the divide
+    taken once per reverse level (``_primitives._Mean``). One reduce-scatter per bucket, synchronous (not the
+    runtime's bucketed, overlapped one). The terms of the double backward read the group's unsharded parameters: the
+    step keeps them gathered (``GroupRun.free_after_backward``)."""
+    gb = step.groups[name]
+    at = {p: i for i, p in enumerate(gb.group.params)}
+    out: list = [None] * len(at)
+    step.checks.collective(f"reduce-scatter of group {name!r} (create_graph backward)")
+    for b in buckets(step.plan):
+        taken = [(p, at[p.path]) for p in b.params if b.group == name and gb.grad_mask[at[p.path]]]
+        if not taken:
+            continue
+        cols = []
+        for p, i in taken:
+            g, grads[i] = grads[i], None
+            if g is None:  # (no gradient on this rank: zeros, as the runtime sends)
+                g = torch.zeros(p.shape, dtype=b.compute, device=gb.device)
+            cols.append(rows(b, p, g.to_dense() if g.layout is not torch.strided else g))
+        flat = scatter_mean(b, torch.cat(cols, dim=1).to(b.reduce), step.pg, step.replicate_pg)
+        for (p, i), piece in zip(taken, flat.split([p.numel for p, _ in taken])):
+            out[i] = piece.to(p.dtype).view(p.local_shape)
+    return out
 
 
 def _tracked_below(step, grads):
@@ -617,7 +725,10 @@ def _base_requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
-def first_order(dep: torch.Tensor | None, grads):
-    """The runtime's shard gradients as returned to autograd: as they are, or (``dep``: a create_graph=True backward)
-    wrapped so that differentiating them again raises instead of missing the terms through the gather."""
-    return list(grads) if dep is None else refuse_again(_SECOND_ORDER, (dep,), grads)
+def first_order(dep: torch.Tensor | None, grads, step=None, name: str | None = None):
+    """The runtime's shard gradients as returned to autograd: as they are, or (``dep``: a create_graph=True backward
+    the runtime does not make differentiable) wrapped so that differentiating them again raises instead of missing
+    the terms through the gather: ``_refusal``'s text for group ``name`` of apply's ``step``, else ``_SECOND_ORDER``."""
+    if dep is None:
+        return list(grads)
+    return refuse_again(_SECOND_ORDER if step is None else _refusal(step, name), (dep,), grads)
