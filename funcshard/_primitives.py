@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,13 @@ from funcshard._collectives import (
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
                               get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor, never_inlined)
 from funcshard._mesh import shard_group
+from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._spec import ShardSpec, from_split, unpad
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce"]  # (and, internal: a bucket's composable gather)
+
+if TYPE_CHECKING:
+    from funcshard._plan import Plan
 
 
 def transform_stack(stack=None) -> str:
@@ -701,6 +705,32 @@ def divides(b: Bucket) -> bool:
 def bucket_param(s: ShardSpec) -> Param:
     """A planned parameter's ``Param``."""
     return Param(s.fqn, s.dtype, *geometry(s.shape, s.dim, s.world), s.shape, s.aliases)
+
+
+def _buckets(plan: Plan) -> tuple[Bucket, ...]:
+    pg, _ = plan.shard_group()
+    rep = plan.replicate_group()
+    out = []
+    for g in plan.groups:
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in g.params:
+            s = plan.specs[p]
+            by_dtype.setdefault(compute_dtype(s.dtype, g.param_dtype), []).append(s)
+        for dt, specs in by_dtype.items():
+            rdt = reduce_dtype_of(dt, g.reduce_dtype)
+            before, after = divide_factors(plan.divide_factor_of(g), rdt)
+            out.append(Bucket(
+                g.name, dt, rdt, before, after, plan.world, pg.group_name, None if rep is None else rep.group_name,
+                tuple(bucket_param(s) for s in specs),
+                bool(g.reshard_after_forward)))
+    return tuple(out)
+
+
+def buckets(plan: Plan) -> tuple[Bucket, ...]:
+    """The plan's buckets (each group's parameters by compute dtype, with the reduce dtype and the divide factors),
+    made once per plan: ``traced_apply``'s gathers', and the buckets ``apply``'s runtime reduce-scatters by in a
+    ``create_graph=True`` backward (``_runtime.strategies.second_order_grads``)."""
+    return plan.derived("buckets", _buckets)
 
 
 def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -58,7 +58,7 @@ import torch
 
 from funcshard._primitives import (
     Bucket,
-    bucket_param,
+    buckets,
     check_backward_transforms,
     check_batched_grads,
     divides,
@@ -72,7 +72,7 @@ from funcshard._primitives import (
 from funcshard._compat import (c10d_functional, get_dynamic_layer_stack_depth, get_interpreter_stack,
                                is_functorch_wrapped_tensor)
 from funcshard._plan import Plan
-from funcshard._policy import cast_floating, compute_dtype, divide_factors, reduce_dtype_of
+from funcshard._policy import cast_floating
 from funcshard._schedule import label
 from funcshard._shard import check_state
 
@@ -117,33 +117,7 @@ def _layout(plan: Plan) -> _Layout:
     rep = plan.replicate_group()
     _GROUPS.update((g.group_name, g) for g in (pg, rep) if g is not None)
     root = plan.groups[0]
-    return _Layout(_buckets(plan), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
-
-
-def _buckets(plan: Plan) -> tuple[Bucket, ...]:
-    pg, _ = plan.shard_group()
-    rep = plan.replicate_group()
-    out = []
-    for g in plan.groups:
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in g.params:
-            s = plan.specs[p]
-            by_dtype.setdefault(compute_dtype(s.dtype, g.param_dtype), []).append(s)
-        for dt, specs in by_dtype.items():
-            rdt = reduce_dtype_of(dt, g.reduce_dtype)
-            before, after = divide_factors(plan.divide_factor_of(g), rdt)
-            out.append(Bucket(
-                g.name, dt, rdt, before, after, plan.world, pg.group_name, None if rep is None else rep.group_name,
-                tuple(bucket_param(s) for s in specs),
-                bool(g.reshard_after_forward)))
-    return tuple(out)
-
-
-def buckets(plan: Plan) -> tuple[Bucket, ...]:
-    """The plan's buckets (each group's parameters by compute dtype, with the reduce dtype and the divide factors),
-    made once per plan, whatever else of the plan the traced mode runs: its gathers', and the buckets ``apply``'s
-    runtime reduce-scatters by in a ``create_graph=True`` backward (``_runtime.strategies.second_order_grads``)."""
-    return plan.derived("buckets", _buckets)
+    return _Layout(buckets(plan), root.param_dtype if root.cast_forward_inputs else None, root.output_dtype)
 
 
 _GROUPS: dict = {}  # process group name -> group: the differentiable backward's (create_graph=True) collectives

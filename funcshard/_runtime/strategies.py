@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import (check_backward_transforms, check_batched_grads, divides, refuse_again, rows,
-                                   scatter_mean)
+from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides, refuse_again,
+                                   rows, scatter_mean)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     current_graph_task_id,
@@ -45,7 +45,6 @@ from funcshard._compat import (
 )
 from funcshard._runtime.part import Part
 from funcshard._schedule import label, reduce_scatter_depth
-from funcshard._traced import buckets
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -683,7 +682,7 @@ def second_order(step, name: str) -> bool:
 def second_order_grads(step, name: str, grads: list) -> list:
     """Group ``name``'s shard gradients in a ``create_graph=True`` backward: its full gradients ``grads`` (consumed)
     reduce-scattered and divided as its runtime would (the plan's buckets, divide factors and reduce dtype;
-    ``_traced.buckets``), by the differentiable collectives (``_primitives.rows``, ``scatter_mean``: the traced path's
+    ``_primitives.buckets``), by the differentiable collectives (``_primitives.rows``, ``scatter_mean``: the traced path's
     create_graph backward), so that differentiating them again gets every term through the gather, with the divide
     taken once per reverse level (``_primitives._Mean``). One reduce-scatter per bucket, synchronous (not the
     runtime's bucketed, overlapped one). The terms of the double backward read the group's unsharded parameters: the
