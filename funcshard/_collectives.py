@@ -240,13 +240,12 @@ def wait_work(work, where: Where | None) -> None:
         # work under torch.profiler holds that lock and waits for the GIL (its end callback restores the issuing
         # thread's saved-tensor hooks or dispatch modes: Python objects): a deadlock, as ranks that stop mid-step
         # (bench.py's profiled fs_apply step hung so: apply's forward issues its gathers under saved-tensor hooks).
-        # ``wait`` lets go of the GIL; a work's future says it is done without that lock.
+        # ``wait`` lets go of the GIL. (gloo's reduce-scatter work never said it was completed before its wait: it
+        # always went to the _Waiter, as now.)
         if bound.timeout is None or pg is not bound.pg and not _host_waits(pg):
             work.wait()
         elif where.kind != "reduce-scatter":
             work.wait(timeout=bound.timeout)
-        elif _done(work):
-            work.wait()
         elif not _Waiter.wait(work, bound.seconds):  # gloo's reduce-scatter work ignores wait's timeout
             raise collective_failed(where, pg, None, True)
     except RuntimeError as e:
@@ -254,15 +253,6 @@ def wait_work(work, where: Where | None) -> None:
             raise
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
         raise collective_failed(where, pg, e, timed_out) from e
-
-
-def _done(work) -> bool:
-    """Whether ``work`` has completed, from its future (not ``is_completed``: see ``wait_work``); False when it has
-    none."""
-    try:
-        return work.get_future().done()
-    except (RuntimeError, AttributeError):
-        return False
 
 
 class _Waiter:
