@@ -78,7 +78,10 @@ def _unpack(x):
     t = x.unpack(x.packed) if isinstance(x, _Outer) else x
     if not _OWNERS:
         return t
-    k = _key(t)
+    try:
+        k = storage_key(t)  # (not _key: one frame less for each tensor autograd unpacks)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return t
     owner = _OWNERS.get(k)
     if owner is not None:
         step = owner[0]()
@@ -102,6 +105,7 @@ class SavedViews:
     def __init__(self, step: Step):
         self._step = weakref.ref(step)
         self.owners: dict[int, str] = {}
+        self.noted: dict[str, Any] = {}  # group -> the buffer list whose storages were noted last (``note``)
         self.hooks = None  # the saved_tensors_hooks context while pushed (_NESTED: an enclosing step's are in effect)
         # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
         # bypasses a freed group's outputs then fails as in FSDP2
@@ -113,8 +117,14 @@ class SavedViews:
             if _OWNERS.get(k, (None,))[0] is ref:
                 del _OWNERS[k]
 
-    def note(self, name: str, tensors) -> None:
-        for t in tensors:
+    def note(self, name: str, gb) -> None:
+        """Group ``name``'s storages (its buffers ``gb``'s) are this step's: noted once per buffer list (a regather
+        refills the same storages; an all-gather extension's may be new tensors each gather: noted each time)."""
+        bases = gb.bases
+        if gb.ext is None and self.noted.get(name) is bases:
+            return
+        self.noted[name] = bases
+        for t in gb.storages():
             k = _key(t)
             if k is not None:
                 self.owners[k] = name
@@ -141,7 +151,7 @@ class SavedViews:
             return
         for name, gb in step.groups.items():
             if gb.bases is not None:
-                self.note(name, gb.storages())
+                self.note(name, gb)
         if top is not None and top[1] is _unpack:  # a forward inside another's: its hooks look this step's up too
             self.hooks = _NESTED
             return
