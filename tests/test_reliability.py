@@ -355,6 +355,12 @@ def _inner_activation_backward() -> dict:
     y.square().mean().backward()
     want = funcshard.shard(plan, ref)
     out["apply with saved-tensor hooks disabled"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    # the caller's own hooks under apply's (save_on_cpu: bound into apply's pack hook, not kept in a module global)
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    with torch.autograd.graph.save_on_cpu():
+        y = funcshard.apply(plan, state, x)
+    y.square().mean().backward()
+    out["apply under save_on_cpu"] = all(torch.equal(state[k].grad, want[k]) for k in want)
     stash.clear()
 
     # a saved view of a freed group read outside backward (grad_fn._saved_*): an error, not freed memory (a segfault)

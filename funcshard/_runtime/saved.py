@@ -18,6 +18,7 @@ as in FSDP2 (docs/reliability.md gives the ways out).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,6 @@ def hooks_allowed() -> bool:
 # The unsharded storages of the live steps' groups (storage id -> (weak step, group name)), noted as their groups are
 # gathered while the hooks are in effect: what ``_unpack`` looks a saved tensor up in.
 _OWNERS: dict[int, tuple[Any, str]] = {}
-# The caller's saved-tensor hooks under ours, innermost last (``_pack_outer``'s).
-_OUTER: list[tuple] = []
 
 # The pack hook where the caller has none: the C ``detach`` (no Python frame per saved tensor: the forward's cost is
 # one alias each; detached, because a tensor saved by its own node, an output, would otherwise hold that node in a
@@ -69,8 +68,8 @@ _OUTER: list[tuple] = []
 _pack = torch.Tensor.detach
 
 
-def _pack_outer(t):
-    outer = _OUTER[-1]
+def _pack_outer(outer: tuple, t):
+    """The pack hook over the caller's hooks ``outer`` (bound into it: torch's hook stacks are per thread)."""
     return _Outer(outer[0](t), outer[1])
 
 
@@ -155,9 +154,8 @@ class SavedViews:
         if top is not None and top[1] is _unpack:  # a forward inside another's: its hooks look this step's up too
             self.hooks = _NESTED
             return
-        if top is not None:
-            _OUTER.append(top)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else _pack_outer, _unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else functools.partial(_pack_outer, top),
+                                                         _unpack)
         hooks.__enter__()
         self.hooks = hooks
 
@@ -166,8 +164,6 @@ class SavedViews:
         hooks, self.hooks = self.hooks, None
         if hooks is None or hooks is _NESTED:
             return
-        if hooks.pack_hook is _pack_outer:
-            _OUTER.pop()
         top = top_saved_tensors_default_hooks(False)
         if top is not None and top[1] is _unpack:
             hooks.__exit__(None, None, None)
