@@ -41,10 +41,14 @@ class _Outer:
         self.packed, self.unpack = packed, unpack
 
 
+# what reading a tensor's storage raises where it has none (a subclass, sparse, ...)
+_NO_STORAGE = (RuntimeError, NotImplementedError, TypeError, AttributeError)
+
+
 def _key(t: torch.Tensor) -> int | None:
     try:
         return storage_key(t)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (no storage: a subclass, sparse, ...)
+    except _NO_STORAGE:
         return None
 
 
@@ -79,7 +83,7 @@ def _unpack(x):
         return t
     try:
         k = storage_key(t)  # (not _key: one frame less for each tensor autograd unpacks)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+    except _NO_STORAGE:
         return t
     owner = _OWNERS.get(k)
     if owner is not None:
@@ -104,7 +108,7 @@ class SavedViews:
     def __init__(self, step: Step):
         self._step = weakref.ref(step)
         self.owners: dict[int, str] = {}
-        self.noted: dict[str, Any] = {}  # group -> the buffer list whose storages were noted last (``note``)
+        self.noted: dict[str, Any] = {}  # group -> its first buffer when its storages were noted last (``note``)
         self.hooks = None  # the saved_tensors_hooks context while pushed (_NESTED: an enclosing step's are in effect)
         # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
         # bypasses a freed group's outputs then fails as in FSDP2
@@ -117,12 +121,13 @@ class SavedViews:
                 del _OWNERS[k]
 
     def note(self, name: str, gb) -> None:
-        """Group ``name``'s storages (its buffers ``gb``'s) are this step's: noted once per buffer list (a regather
+        """Group ``name``'s storages (its buffers ``gb``'s) are this step's: noted once per set of buffers (a regather
         refills the same storages; an all-gather extension's may be new tensors each gather: noted each time)."""
         bases = gb.bases
-        if gb.ext is None and self.noted.get(name) is bases:
-            return
-        self.noted[name] = bases
+        if gb.ext is None:
+            if not bases or (noted := self.noted.get(name)) is not None and noted() is bases[0]:
+                return
+            self.noted[name] = weakref.ref(bases[0])  # (weak: buffers a failed gather dropped are not kept alive)
         for t in gb.storages():
             k = _key(t)
             if k is not None:
