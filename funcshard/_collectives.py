@@ -236,13 +236,18 @@ def wait_work(work, where: Where | None) -> None:
                               f"earlier failure ({cause})" + _called(where), repeat=True)
     bound = where.bound
     try:
-        if bound.timeout is None or pg is not bound.pg and not _host_waits(pg) or work.is_completed():
+        # Never ``work.is_completed()``: it takes the work's lock holding the GIL, while a gloo thread finishing the
+        # work under torch.profiler holds that lock and waits for the GIL (its end callback restores the issuing
+        # thread's saved-tensor hooks or dispatch modes: Python objects): a deadlock, as ranks that stop mid-step
+        # (bench.py's profiled fs_apply step hung so: apply's forward issues its gathers under saved-tensor hooks).
+        # ``wait`` lets go of the GIL. (gloo's reduce-scatter work never said it was completed before its wait: it
+        # always went to the _Waiter, as now.)
+        if bound.timeout is None or pg is not bound.pg and not _host_waits(pg):
             work.wait()
-        elif where.kind == "reduce-scatter":  # gloo's reduce-scatter work ignores wait's timeout
-            if not _Waiter.wait(work, bound.seconds):
-                raise collective_failed(where, pg, None, True)
-        else:
+        elif where.kind != "reduce-scatter":
             work.wait(timeout=bound.timeout)
+        elif not _Waiter.wait(work, bound.seconds):  # gloo's reduce-scatter work ignores wait's timeout
+            raise collective_failed(where, pg, None, True)
     except RuntimeError as e:
         if isinstance(e, CollectiveError):
             raise

@@ -355,6 +355,12 @@ def _inner_activation_backward() -> dict:
     y.square().mean().backward()
     want = funcshard.shard(plan, ref)
     out["apply with saved-tensor hooks disabled"] = all(torch.equal(state[k].grad, want[k]) for k in want)
+    # the caller's own hooks under apply's (save_on_cpu: bound into apply's pack hook, not kept in a module global)
+    state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+    with torch.autograd.graph.save_on_cpu():
+        y = funcshard.apply(plan, state, x)
+    y.square().mean().backward()
+    out["apply under save_on_cpu"] = all(torch.equal(state[k].grad, want[k]) for k in want)
     stash.clear()
 
     # a saved view of a freed group read outside backward (grad_fn._saved_*): an error, not freed memory (a segfault)
@@ -672,3 +678,41 @@ def test_a_save_after_groups_made_on_some_ranks_only(tmp_path):
         for how, message in alone.items():
             assert re.match(rf"funcshard: checkpoint save to {re.escape(path)}_{how} failed on this rank "
                             r"\(DistStoreError: .*\): a rank died or stalled during the save", message), message
+
+
+# ---- a wait never takes a work's lock holding the GIL ------------------------------------------------------------
+
+
+class _Work:
+    """A gloo work as ``wait_work`` sees it; ``is_completed`` is the call that deadlocked."""
+
+    def __init__(self):
+        self.waited = []
+
+    def is_completed(self):
+        raise AssertionError("is_completed() was called: it holds the GIL while it takes the work's lock")
+
+    def wait(self, timeout=None):
+        self.waited.append(timeout)
+        return True
+
+
+def test_a_wait_never_holds_the_gil_on_the_works_lock():
+    """bench.py hung in 2 of 4 runs (fs_apply's step under torch.profiler, W=2 and 4): a gloo thread finishing an
+    all-gather held the work's lock and waited for the GIL (under the profiler its end callback restores the issuing
+    thread's saved-tensor hooks, apply's: Python objects), while the main thread held the GIL in
+    ``work.is_completed()``, waiting for that lock (py-spy --native). ``wait_work`` now waits with ``wait`` (it lets
+    go of the GIL)."""
+    from datetime import timedelta
+
+    from funcshard._collectives import Bound, Where, wait_work
+
+    class PG:  # (a process group that waits on the host, as gloo's)
+        pass
+
+    bound = Bound(PG(), 5.0, "a test plan", "funcshard.apply")
+    for kind, waited in [("all-gather", [timedelta(seconds=5)]), ("re-gather", [timedelta(seconds=5)]),
+                         ("reduce-scatter", [None])]:  # (the reduce-scatter's in the _Waiter thread)
+        work = _Work()
+        wait_work(work, Where(kind, "blocks.0", "backward", bound))
+        assert work.waited == waited, kind

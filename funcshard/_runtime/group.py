@@ -86,7 +86,7 @@ class GroupRun(Part):
         self.buffers.wait()
         saved = self.step.saved
         if saved is not None and saved.hooks is not None:  # (its storage, for the forward's saved-tensor hooks)
-            saved.note(self.name, self.buffers.storages())
+            saved.note(self.name, self.buffers)
 
     @failing
     def reshard(self) -> None:

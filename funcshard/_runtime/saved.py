@@ -18,6 +18,7 @@ as in FSDP2 (docs/reliability.md gives the ways out).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +41,14 @@ class _Outer:
         self.packed, self.unpack = packed, unpack
 
 
+# what reading a tensor's storage raises where it has none (a subclass, sparse, ...)
+_NO_STORAGE = (RuntimeError, NotImplementedError, TypeError, AttributeError)
+
+
 def _key(t: torch.Tensor) -> int | None:
     try:
         return storage_key(t)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (no storage: a subclass, sparse, ...)
+    except _NO_STORAGE:
         return None
 
 
@@ -60,8 +65,6 @@ def hooks_allowed() -> bool:
 # The unsharded storages of the live steps' groups (storage id -> (weak step, group name)), noted as their groups are
 # gathered while the hooks are in effect: what ``_unpack`` looks a saved tensor up in.
 _OWNERS: dict[int, tuple[Any, str]] = {}
-# The caller's saved-tensor hooks under ours, innermost last (``_pack_outer``'s).
-_OUTER: list[tuple] = []
 
 # The pack hook where the caller has none: the C ``detach`` (no Python frame per saved tensor: the forward's cost is
 # one alias each; detached, because a tensor saved by its own node, an output, would otherwise hold that node in a
@@ -69,8 +72,8 @@ _OUTER: list[tuple] = []
 _pack = torch.Tensor.detach
 
 
-def _pack_outer(t):
-    outer = _OUTER[-1]
+def _pack_outer(outer: tuple, t):
+    """The pack hook over the caller's hooks ``outer`` (bound into it: torch's hook stacks are per thread)."""
     return _Outer(outer[0](t), outer[1])
 
 
@@ -78,7 +81,10 @@ def _unpack(x):
     t = x.unpack(x.packed) if isinstance(x, _Outer) else x
     if not _OWNERS:
         return t
-    k = _key(t)
+    try:
+        k = storage_key(t)  # (not _key: one frame less for each tensor autograd unpacks)
+    except _NO_STORAGE:
+        return t
     owner = _OWNERS.get(k)
     if owner is not None:
         step = owner[0]()
@@ -102,6 +108,7 @@ class SavedViews:
     def __init__(self, step: Step):
         self._step = weakref.ref(step)
         self.owners: dict[int, str] = {}
+        self.noted: dict[str, Any] = {}  # group -> its first buffer when its storages were noted last (``note``)
         self.hooks = None  # the saved_tensors_hooks context while pushed (_NESTED: an enclosing step's are in effect)
         # apply under torch.compile: no hooks (dynamo would trace them into its graphs: other graphs); a backward that
         # bypasses a freed group's outputs then fails as in FSDP2
@@ -113,8 +120,15 @@ class SavedViews:
             if _OWNERS.get(k, (None,))[0] is ref:
                 del _OWNERS[k]
 
-    def note(self, name: str, tensors) -> None:
-        for t in tensors:
+    def note(self, name: str, gb) -> None:
+        """Group ``name``'s storages (its buffers ``gb``'s) are this step's: noted once per set of buffers (a regather
+        refills the same storages; an all-gather extension's may be new tensors each gather: noted each time)."""
+        bases = gb.bases
+        if gb.ext is None:
+            if not bases or (noted := self.noted.get(name)) is not None and noted() is bases[0]:
+                return
+            self.noted[name] = weakref.ref(bases[0])  # (weak: buffers a failed gather dropped are not kept alive)
+        for t in gb.storages():
             k = _key(t)
             if k is not None:
                 self.owners[k] = name
@@ -141,13 +155,12 @@ class SavedViews:
             return
         for name, gb in step.groups.items():
             if gb.bases is not None:
-                self.note(name, gb.storages())
+                self.note(name, gb)
         if top is not None and top[1] is _unpack:  # a forward inside another's: its hooks look this step's up too
             self.hooks = _NESTED
             return
-        if top is not None:
-            _OUTER.append(top)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else _pack_outer, _unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack if top is None else functools.partial(_pack_outer, top),
+                                                         _unpack)
         hooks.__enter__()
         self.hooks = hooks
 
@@ -156,8 +169,6 @@ class SavedViews:
         hooks, self.hooks = self.hooks, None
         if hooks is None or hooks is _NESTED:
             return
-        if hooks.pack_hook is _pack_outer:
-            _OUTER.pop()
         top = top_saved_tensors_default_hooks(False)
         if top is not None and top[1] is _unpack:
             hooks.__exit__(None, None, None)
