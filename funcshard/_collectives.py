@@ -242,17 +242,39 @@ def wait_work(work, where: Where | None) -> None:
         # (bench.py's profiled fs_apply step hung so: apply's forward issues its gathers under saved-tensor hooks).
         # ``wait`` lets go of the GIL. (gloo's reduce-scatter work never said it was completed before its wait: it
         # always went to the _Waiter, as now.)
-        if bound.timeout is None or pg is not bound.pg and not _host_waits(pg):
+        # A work wrapping a future (torch's threaded test process group, custom backends) has no finite-timeout
+        # wait: done, it is waited for; else the _Waiter bounds it, as gloo's reduce-scatter (whose work ignores wait's
+        # timeout). The future's ``done`` takes only the future's own lock, which no thread holds across its callbacks.
+        if bound.timeout is None or pg is not bound.pg and not _host_waits(pg) or _done(work):
             work.wait()
-        elif where.kind != "reduce-scatter":
-            work.wait(timeout=bound.timeout)
-        elif not _Waiter.wait(work, bound.seconds):  # gloo's reduce-scatter work ignores wait's timeout
-            raise collective_failed(where, pg, None, True)
+        elif where.kind == "reduce-scatter" or not _wait_bounded(work, bound.timeout):
+            if not _Waiter.wait(work, bound.seconds):
+                raise collective_failed(where, pg, None, True)
     except RuntimeError as e:
         if isinstance(e, CollectiveError):
             raise
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
         raise collective_failed(where, pg, e, timed_out) from e
+
+
+def _done(work) -> bool:
+    """Whether ``work`` is known to have completed, read from its future (not ``is_completed``: see ``wait_work``);
+    False when it has none (gloo's reduce-scatter)."""
+    try:
+        return work.get_future().done()
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _wait_bounded(work, timeout) -> bool:
+    """``work.wait(timeout)``; False where the work has no finite-timeout wait (``FutureWrappingWork``)."""
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError as e:
+        if "finite timeout not implemented" in str(e):
+            return False
+        raise
+    return True
 
 
 class _Waiter:
