@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from funcshard._plan import Group, Plan
 
 __all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "backward_reaches", "bucket_sizes", "frees_listed",
-           "gradient_from", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
+           "gradient_from", "gradient_source", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -104,28 +104,50 @@ def gradient_from(plan: Plan) -> float:
     """Where in the forward (an index into ``passes(plan).forward``) the gradient starts (:func:`backward_reaches`):
     just before the event ``i`` at which the first trainable parameter is used (``i - 0.5``); ``len(forward)`` when
     none is. A group's inputs carry a gradient iff its pass opens after it, its outputs iff its pass closes after it."""
-    return plan.derived("gradient_from", _gradient_from)
+    return gradient_source(plan)[0]
 
 
-def _gradient_from(plan: Plan) -> float:
+def gradient_source(plan: Plan) -> tuple[float, str | None, str | None]:
+    """``(gradient_from(plan), the parameter used there, the module path it is taken to be used at)``; the parameter
+    and path are None when no parameter takes a gradient, the path None without a module tree in the plan's order
+    (the parameter then taken to be used first in its group's pass). Made once per plan."""
+    return plan.derived("gradient_source", _gradient_source)
+
+
+def _gradient_source(plan: Plan) -> tuple[float, str | None, str | None]:
     events = passes(plan).forward
     where = {(e, n): i for i, (e, n) in enumerate(events)}
     tree = _module_tree(plan)
-    source = float(len(events))
+    best: tuple[float, str | None, str | None] = (float(len(events)), None, None)
     for g in plan.groups:
-        params = [p for p in g.params if takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype)]
-        if not params:
-            continue
         o, c = (-1, len(events)) if g.is_root else (where[("open", g.name)], where[("close", g.name)])
-        owners = [tree[0].get(path.rpartition(".")[0]) for p in params
-                  for path in plan.specs[p].aliases or (p,)] if tree is not None else [None]
-        if None in owners:  # (no module tree in the plan's order: used first in the group's pass)
-            source = min(source, o + 0.5)
-            continue
-        earliest, first = min(owners), tree[1]  # (used before the first group its pass opens after its module)
-        i = next((i for i in range(o + 1, c) if events[i][0] == "open" and first[events[i][1]] > earliest), c)
-        source = min(source, i - 0.5)
-    return source
+        for p in g.params:
+            if not takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype):
+                continue
+            # (a tied parameter's name is its first registered path: with the modules in tree order, its first use)
+            owner = p.rpartition(".")[0]
+            at = o + 0.5 if tree is None else _used_at(plan, tree, events, o, c, owner) - 0.5
+            if at < best[0]:
+                best = (at, p, None if tree is None else owner)
+    return best
+
+
+def _used_at(plan: Plan, tree: tuple[dict[str, int], dict[str, int]], events: Sequence[tuple[str, str]], o: int,
+             c: int, owner: str) -> int:
+    """The first event of the pass ``(o, c)`` that follows the use of a parameter of module ``owner``: the opening of
+    a group whose first module is registered after it, or the closing of a group whose modules enclose it (a module
+    inside a group's subtree is used while that group's pass is open); ``c`` when none is; ``o + 1`` for a module
+    the plan's module does not have."""
+    index, first = tree
+    m = index.get(owner)
+    if m is None:  # (a module the plan's module does not have: first in the pass)
+        return o + 1
+
+    def encloses(name: str) -> bool:
+        return any(owner == path or owner.startswith(path + ".") for path in plan.group(name).modules)
+
+    return next((i for i in range(o + 1, c) if (events[i][0] == "open" and first[events[i][1]] > m)
+                 or (events[i][0] == "close" and encloses(events[i][1]))), c)
 
 
 def _module_tree(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
