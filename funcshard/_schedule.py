@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from funcshard._plan import Group, Plan
 
 __all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "backward_reaches", "bucket_sizes", "frees_listed",
-           "gradient_from", "gradient_source", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
+           "frozen_held", "gradient_from", "gradient_source", "passes", "reduce_scatter_at", "reduce_scatter_depth",
+           "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -98,6 +99,15 @@ def backward_reaches(plan: Plan) -> frozenset[str]:
 def _reaches(plan: Plan) -> frozenset[str]:
     source = gradient_from(plan)
     return frozenset(n for i, (e, n) in enumerate(passes(plan).forward) if e == "close" and i > source)
+
+
+def frozen_held(plan: Plan) -> frozenset[str]:
+    """The non-root groups with a parameter that takes no gradient whose inputs no gradient reaches (their pass opens
+    before :func:`gradient_from`; the step's inputs taken to take none): the runtime's ``FrozenRelease`` has no input
+    gradient to wait for, so it frees them at the end of backward, not after their reduce-scatter."""
+    source = gradient_from(plan)
+    return frozenset(n for i, (e, n) in enumerate(passes(plan).forward) if e == "open" and i < source
+                     and not all(plan.specs[p].requires_grad for p in plan.group(n).params))
 
 
 def gradient_from(plan: Plan) -> float:
@@ -521,15 +531,14 @@ def _build(plan: Plan) -> Schedule:
         free_after_forward(root)
     ops.append(Op(BACKWARD))
 
-    source = gradient_from(plan)
-    opened = {n: i for i, (e, n) in enumerate(fwd.forward) if e == "open"}
+    held = frozen_held(plan)
 
     def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
         if not g.reshard_after_backward:
             return "keep it gathered (reshard_after_backward=False)"
-        if (not g.is_root and not all(plan.specs[p].requires_grad for p in g.params)
-                and opened[g.name] <= source):  # (the runtime's FrozenRelease: no input gradient to wait for)
-            return "free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)"
+        if g.name in held:
+            return ("free it at the end of backward (a frozen parameter, and no gradient reaches its inputs: the "
+                    "step's inputs taken to take none)")
         return ""
 
     def reduce_scatter(g) -> None:

@@ -255,11 +255,12 @@ def test_backward_reaches_the_groups_after_the_first_trained_parameter():
     lines = schedule(plan.replace(specs={k: dataclasses.replace(s, requires_grad=k == "0.weight")
                                          for k, s in plan.specs.items()})).lines()
     assert "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its " \
-           "inputs)" in lines
+           "inputs: the step's inputs taken to take none)" in lines
     plan = _pure_plan(nested, groups)
     lines = schedule(plan.replace(specs={k: dataclasses.replace(s, requires_grad=k.startswith("0.2."))
                                          for k, s in plan.specs.items()})).lines()
     assert lines[lines.index("-- backward --"):] == [
         "-- backward --", "all-gather 0 (before its backward)",
-        "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)",
+        "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its inputs: the "
+        "step's inputs taken to take none)",
         "reduce-scatter <root>, free it"]
