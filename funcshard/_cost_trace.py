@@ -365,9 +365,10 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
                     raise ShardingError(
                         f"funcshard.cost.estimate: the forward of group {g.name!r} ran twice in one step (its module "
                         f"{path!r} is called again): the runtime gathers the group again and runs its backward "
-                        f"otherwise than the plan's schedule (plan.collective_order()) lists, which the cost model does "
-                        f"not replay; call the module once per step, or plan without {path!r} as a group "
-                        f"(funcshard.plan(groups=...): its parameters then go to the group enclosing it), to estimate")
+                        f"otherwise than the plan's schedule (plan.collective_order()) lists, which the cost model "
+                        f"does not replay; call the module once per step, or plan without {path!r} as a group "
+                        f"(funcshard.plan(groups=...): its parameters then go to the group enclosing it), to "
+                        f"estimate")
                 if not in_backward[0]:
                     called.add(path)
                 if not in_backward[0] and not torch.is_grad_enabled():

@@ -87,12 +87,13 @@ def backward_reaches(plan: Plan) -> frozenset[str]:
     group after it, a group enclosing one. Where in its group's pass a trainable parameter is used the plan takes from
     the module tree: the root's, or a parent group's, parameter of a module registered before a group's first module
     that opens inside that pass (or of a module enclosing it, e.g. the model's own) is used before that group, one
-    registered after them (a head, a parent's last layer) after them; without a module tree in the plan's order
-    (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the step's inputs take no
-    gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is differentiated; under plain
-    autograd an input that requires grad makes the gradient reach every group after it), each group's outputs feed
-    the next group's forward, a parameter is used where its module is registered, and a group's forward uses its
-    trainable parameters. Made once per plan."""
+    registered after them (a head, a parent's last layer) after them, one of a module inside a group's modules (a
+    weight tied across groups, the root's: its first path) while that group's pass is open; without a module tree in
+    the plan's order (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the
+    step's inputs take no gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is
+    differentiated; under plain autograd an input that requires grad makes the gradient reach every group after it),
+    each group's outputs feed the next group's forward, a parameter is used where its module is registered, a group's
+    forward runs once per step and uses its trainable parameters. Made once per plan."""
     return plan.derived("backward_reaches", _reaches)
 
 

@@ -50,7 +50,7 @@ from funcshard._cost_trace import (
     profile_step,
     profile_update,
 )
-from funcshard._plan import ROOT, Plan
+from funcshard._plan import ROOT, UNIT, Plan
 from funcshard._runtime.buffers import Status
 from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, END_OF_BACKWARD, FREE,
                                  HOST_TO_DEVICE, POST_BACKWARD, REDUCE_SCATTER, Collective, HostCopy, Op,
@@ -598,7 +598,9 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
     makes the runtime prefetch differently (its forward prefetch follows the plan, its backward prefetch the order
     that ran): refused, with the plan that matches. So are a trained group whose gather no gradient reaches (the
     runtime reduce-scatters nothing for it) and a traced backward that reaches other groups than the schedule's
-    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used)."""
+    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used), named with the
+    parameter the schedule starts the gradient at (:func:`_source_and_fix`). (A group's forward run twice in the step
+    the trace refuses: ``profile_step``; so ``ran`` holds each group once.)"""
     ran = tuple(dict.fromkeys(m.group for m in prof.marks if m.kind == FWD_START and m.group != ROOT))
     if plan.order_differs(ran):
         raise ShardingError(
@@ -662,11 +664,9 @@ def _source_and_fix(plan: Plan) -> str:
 def _check_module(plan: Plan) -> None:
     """A module under ``fully_shard`` runs its units' own hooks in forward (the units' runtime), which the trace
     does not replace (its trace saw no gradient reach the root group): refused, with the plan to estimate instead."""
-    from funcshard.fsdp import FSDPModule
-
     if not isinstance(plan.module, torch.nn.Module):
         return
-    units = [path for path, m in plan.module.named_modules() if isinstance(m, FSDPModule)]
+    units = [path for path, m in plan.module.named_modules() if m.__dict__.get(UNIT) is not None]
     if units:
         raise ShardingError(
             f"funcshard.cost.estimate: the plan's module is under funcshard.fully_shard (module(s) "
@@ -694,8 +694,10 @@ def _check_inputs(plan: Plan, args: tuple, kwargs: dict) -> None:
                 [f"group(s) {left_out} (no parameter that takes one is used before them)"] * bool(left_out)
                 + [f"the inputs of group(s) {held} (frozen parameters: freed at the end of backward)"] * bool(held))
             + "; _schedule.backward_reaches takes the step's inputs to take none. Under plain autograd the input's "
-            f"gradient reaches them: the runtime issues their backward all-gathers, and frees a frozen group once its "
-            f"inputs' gradients are done, which the schedule and the cost model leave out; under torch.func "
+            f"gradient reaches them: the runtime " + " and ".join(
+                ["issues the backward all-gathers of the groups left out"] * bool(left_out)
+                + ["frees a frozen group once its inputs' gradients are done"] * bool(held))
+            + ", which the schedule and the cost model leave out; under torch.func "
             f"transforms (funcshard.value_and_grad) only the state is differentiated and the schedule holds. Pass the "
             f"inputs detached (x.detach()) to estimate the step without input gradients")
 
@@ -716,9 +718,11 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
     and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
     prefetch, resharding and layout are the replay's alone). The step's backward is the schedule's: it reaches the
-    groups ``_schedule.backward_reaches`` says (inputs that take no gradient); where the traced step differs, or an
-    input requires grad and the schedule leaves a group out of backward, or a group runs under reentrant activation
-    checkpointing, it raises a ``ShardingError`` naming the case.
+    groups ``_schedule.backward_reaches`` says (inputs that take no gradient: an input's own gradient is not costed);
+    where the traced step differs, or an input requires grad and the schedule leaves a group out of backward or frees
+    a frozen group at the end of backward, or a group's forward runs twice in the step, or a group runs under
+    reentrant activation checkpointing, or the module is under ``fully_shard``, it raises a ``ShardingError`` naming
+    the case.
 
     Args:
         plan: the plan to cost (a mesh of any world size: a real one, or :func:`fake_mesh`'s).
