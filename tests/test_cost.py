@@ -150,11 +150,13 @@ class _Nested(nn.Module):
 
 
 # (model, frozen parameter prefixes, prefetch depth): MLP(layers=3)'s inp and out are the root group's, each block a
-# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner)
+# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner); "tied": the MLP
+# with blocks.2.l1.weight tied to blocks.0.l1.weight (the root's), used inside blocks.0 (its backward runs)
 FROZEN_CASES = [("mlp", ("inp", "blocks"), 1), ("mlp", ("inp", "blocks"), 0), ("mlp", ("inp", "blocks"), 2),
                 ("mlp", ("inp", "blocks.0"), 1), ("mlp", ("blocks.1",), 1), ("mlp", ("blocks.2", "out"), 1),
                 ("mlp", ("blocks",), 1), ("mlp", ("inp", "blocks.0", "blocks.1.l2", "blocks.2"), 1),
-                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1)]
+                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1),
+                ("tied", ("inp", "blocks.0.l2", "blocks.0.l1.bias", "blocks.1"), 0)]
 
 
 def _frozen_issued_vs_predicted(cases):
@@ -167,16 +169,18 @@ def _frozen_issued_vs_predicted(cases):
     out = []
     for kind, frozen, depth in cases:
         torch.manual_seed(0)
-        model = MLP(layers=3) if kind == "mlp" else _Nested()
+        model = _Nested() if kind == "nested" else MLP(layers=3)
+        if kind == "tied":
+            model.blocks[2].l1.weight = model.blocks[0].l1.weight
         for name, p in model.named_parameters():
             p.requires_grad_(not name.startswith(frozen))
-        plan = funcshard.plan(model, mesh, groups=(Block,) if kind == "mlp" else ["a", "o", "o.inner", "b"],
+        plan = funcshard.plan(model, mesh, groups=["a", "o", "o.inner", "b"] if kind == "nested" else (Block,),
                               prefetch=depth)
         names = dict(model.named_parameters())
         state = funcshard.shard(plan)
         trainable = {k: v for k, v in state.items() if names[k].requires_grad}
         fixed = {k: v for k, v in state.items() if not names[k].requires_grad}
-        x = torch.randn(2, 7 if kind == "mlp" else 6)
+        x = torch.randn(2, 6 if kind == "nested" else 7)
         with _Tagged(IssuedCollectives()) as rec, _Lifecycle() as life:
             torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **fixed}, x)))(trainable)
         cost, replayed = _estimate_and_replayed(plan, x, loss)
@@ -210,7 +214,9 @@ def test_a_partly_frozen_models_collectives_are_the_printed_ones():
                     name = line.split()[1].rstrip(",")
                     freed = max(i for i, e in enumerate(lifecycle) if e == ("freed", name))
                     assert (freed > last_rs) == ("at the end of backward" in line), (kind, frozen, line)
-            if kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
+            if kind == "tied":  # blocks.0 runs a backward: the tied weight is used inside it
+                assert "no gradient reaches blocks" not in shown and "all-gather blocks.0 (before its backward)" in backward
+            elif kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
                 assert ("no gradient reaches a, o.inner:" if "o.inner" in frozen else "no gradient reaches a:") in shown
             elif frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
                 assert backward == [*[f"all-gather blocks.{2 - i} (prefetch, while <root> computes; no gradient "
