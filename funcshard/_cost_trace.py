@@ -348,6 +348,7 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
     uses: dict[str, int] = {}
     unwatched: set[str] = set()
     without_grad: set[str] = set()  # groups whose forward ran without grad (reentrant checkpointing's first run)
+    called: set[str] = set()  # the group modules whose forward ran in the step's forward
     in_backward = [False]
 
     def inputs_done(name: str) -> None:
@@ -359,7 +360,17 @@ def profile_step(plan: Plan, args: tuple, kwargs: dict, loss: Callable[[Any], to
         for path in g.modules:
             mod = module.get_submodule(path)
 
-            def pre(_m, a, kw, g=g):
+            def pre(_m, a, kw, g=g, path=path):
+                if not in_backward[0] and path in called:
+                    raise ShardingError(
+                        f"funcshard.cost.estimate: the forward of group {g.name!r} ran twice in one step (its module "
+                        f"{path!r} is called again): the runtime gathers the group again and runs its backward "
+                        f"otherwise than the plan's schedule (plan.collective_order()) lists, which the cost model "
+                        f"does not replay; call the module once per step, or plan without {path!r} as a group "
+                        f"(funcshard.plan(groups=...): its parameters then go to the group enclosing it), to "
+                        f"estimate")
+                if not in_backward[0]:
+                    called.add(path)
                 if not in_backward[0] and not torch.is_grad_enabled():
                     without_grad.add(g.name)
                 elif in_backward[0] and torch.is_grad_enabled() and g.name in without_grad:

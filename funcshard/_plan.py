@@ -45,6 +45,7 @@ from funcshard._spec import FlatSlot, ShardingError, ShardSpec, dim_range, make_
 __all__ = ["Group", "Plan", "plan"]
 
 ROOT = ""  # the root group's name: the parameters no policy picked
+UNIT = "_funcshard_unit"  # module attribute: the fully_shard unit the module belongs to (funcshard.fsdp's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +354,8 @@ class Plan:
         then the optimizer's all-to-alls: :meth:`with_optimizer`), as the runtime issues them in plan order. Backward
         lists the groups a gradient reaches (``_schedule.backward_reaches``: from the first parameter that takes a
         gradient on, taking the step's inputs to take none, as under ``torch.func`` transforms; a root parameter used
-        where its module is registered); an input that requires grad under plain autograd reaches more, which
+        where its module is registered); an input that requires grad under plain autograd reaches more (and frees a
+        frozen group once its inputs' gradients are done, not at the end of backward), which
         ``funcshard.cost.estimate`` refuses to cost."""
         return schedule(self).lines() + [c.line() for s in self.owner_steps for c in s.collectives]
 

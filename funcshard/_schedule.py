@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from funcshard._plan import Group, Plan
 
 __all__ = ["Collective", "HostCopy", "Op", "Passes", "Schedule", "backward_reaches", "bucket_sizes", "frees_listed",
-           "gradient_from", "passes", "reduce_scatter_at", "reduce_scatter_depth", "schedule"]
+           "frozen_held", "gradient_from", "gradient_source", "passes", "reduce_scatter_at", "reduce_scatter_depth",
+           "schedule"]
 
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
@@ -86,12 +87,13 @@ def backward_reaches(plan: Plan) -> frozenset[str]:
     group after it, a group enclosing one. Where in its group's pass a trainable parameter is used the plan takes from
     the module tree: the root's, or a parent group's, parameter of a module registered before a group's first module
     that opens inside that pass (or of a module enclosing it, e.g. the model's own) is used before that group, one
-    registered after them (a head, a parent's last layer) after them; without a module tree in the plan's order
-    (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the step's inputs take no
-    gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is differentiated; under plain
-    autograd an input that requires grad makes the gradient reach every group after it), each group's outputs feed
-    the next group's forward, a parameter is used where its module is registered, and a group's forward uses its
-    trainable parameters. Made once per plan."""
+    registered after them (a head, a parent's last layer) after them, one of a module inside a group's modules (a
+    weight tied across groups, the root's: its first path) while that group's pass is open; without a module tree in
+    the plan's order (``Plan.with_order``) first in its group's pass. What the plan cannot know, it assumes: the
+    step's inputs take no gradient (``torch.func`` transforms, ``funcshard.value_and_grad``: only the state is
+    differentiated; under plain autograd an input that requires grad makes the gradient reach every group after it),
+    each group's outputs feed the next group's forward, a parameter is used where its module is registered, a group's
+    forward runs once per step and uses its trainable parameters. Made once per plan."""
     return plan.derived("backward_reaches", _reaches)
 
 
@@ -100,32 +102,63 @@ def _reaches(plan: Plan) -> frozenset[str]:
     return frozenset(n for i, (e, n) in enumerate(passes(plan).forward) if e == "close" and i > source)
 
 
+def frozen_held(plan: Plan) -> frozenset[str]:
+    """The non-root groups with a parameter that takes no gradient whose inputs no gradient reaches (their pass opens
+    before :func:`gradient_from`; the step's inputs taken to take none): the runtime's ``FrozenRelease`` has no input
+    gradient to wait for, so it frees them at the end of backward, not after their reduce-scatter."""
+    source = gradient_from(plan)
+    return frozenset(n for i, (e, n) in enumerate(passes(plan).forward) if e == "open" and i < source
+                     and not all(plan.specs[p].requires_grad for p in plan.group(n).params))
+
+
 def gradient_from(plan: Plan) -> float:
     """Where in the forward (an index into ``passes(plan).forward``) the gradient starts (:func:`backward_reaches`):
     just before the event ``i`` at which the first trainable parameter is used (``i - 0.5``); ``len(forward)`` when
     none is. A group's inputs carry a gradient iff its pass opens after it, its outputs iff its pass closes after it."""
-    return plan.derived("gradient_from", _gradient_from)
+    return gradient_source(plan)[0]
 
 
-def _gradient_from(plan: Plan) -> float:
+def gradient_source(plan: Plan) -> tuple[float, str | None, str | None]:
+    """``(gradient_from(plan), the parameter used there, the module path it is taken to be used at)``; the parameter
+    and path are None when no parameter takes a gradient, the path None without a module tree in the plan's order
+    (the parameter then taken to be used first in its group's pass). Made once per plan."""
+    return plan.derived("gradient_source", _gradient_source)
+
+
+def _gradient_source(plan: Plan) -> tuple[float, str | None, str | None]:
     events = passes(plan).forward
     where = {(e, n): i for i, (e, n) in enumerate(events)}
     tree = _module_tree(plan)
-    source = float(len(events))
+    best: tuple[float, str | None, str | None] = (float(len(events)), None, None)
     for g in plan.groups:
-        params = [p for p in g.params if takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype)]
-        if not params:
-            continue
         o, c = (-1, len(events)) if g.is_root else (where[("open", g.name)], where[("close", g.name)])
-        owners = [tree[0].get(path.rpartition(".")[0]) for p in params
-                  for path in plan.specs[p].aliases or (p,)] if tree is not None else [None]
-        if None in owners:  # (no module tree in the plan's order: used first in the group's pass)
-            source = min(source, o + 0.5)
-            continue
-        earliest, first = min(owners), tree[1]  # (used before the first group its pass opens after its module)
-        i = next((i for i in range(o + 1, c) if events[i][0] == "open" and first[events[i][1]] > earliest), c)
-        source = min(source, i - 0.5)
-    return source
+        for p in g.params:
+            if not takes_grad(plan.specs[p].requires_grad, plan.specs[p].dtype):
+                continue
+            # (a tied parameter's name is its first registered path: with the modules in tree order, its first use)
+            owner = p.rpartition(".")[0]
+            at = o + 0.5 if tree is None else _used_at(plan, tree, events, o, c, owner) - 0.5
+            if at < best[0]:
+                best = (at, p, None if tree is None else owner)
+    return best
+
+
+def _used_at(plan: Plan, tree: tuple[dict[str, int], dict[str, int]], events: Sequence[tuple[str, str]], o: int,
+             c: int, owner: str) -> int:
+    """The first event of the pass ``(o, c)`` that follows the use of a parameter of module ``owner``: the opening of
+    a group whose first module is registered after it, or the closing of a group whose modules enclose it (a module
+    inside a group's subtree is used while that group's pass is open); ``c`` when none is; ``o + 1`` for a module
+    the plan's module does not have."""
+    index, first = tree
+    m = index.get(owner)
+    if m is None:  # (a module the plan's module does not have: first in the pass)
+        return o + 1
+
+    def encloses(name: str) -> bool:
+        return any(owner == path or owner.startswith(path + ".") for path in plan.group(name).modules)
+
+    return next((i for i in range(o + 1, c) if (events[i][0] == "open" and first[events[i][1]] > m)
+                 or (events[i][0] == "close" and encloses(events[i][1]))), c)
 
 
 def _module_tree(plan: Plan) -> tuple[dict[str, int], dict[str, int]] | None:
@@ -499,15 +532,14 @@ def _build(plan: Plan) -> Schedule:
         free_after_forward(root)
     ops.append(Op(BACKWARD))
 
-    source = gradient_from(plan)
-    opened = {n: i for i, (e, n) in enumerate(fwd.forward) if e == "open"}
+    held = frozen_held(plan)
 
     def kept(g) -> str:  # the reduce-scatter's line: the group is freed after it, unless the plan keeps it
         if not g.reshard_after_backward:
             return "keep it gathered (reshard_after_backward=False)"
-        if (not g.is_root and not all(plan.specs[p].requires_grad for p in g.params)
-                and opened[g.name] <= source):  # (the runtime's FrozenRelease: no input gradient to wait for)
-            return "free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)"
+        if g.name in held:
+            return ("free it at the end of backward (a frozen parameter, and no gradient reaches its inputs: the "
+                    "step's inputs taken to take none)")
         return ""
 
     def reduce_scatter(g) -> None:

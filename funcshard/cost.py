@@ -50,11 +50,12 @@ from funcshard._cost_trace import (
     profile_step,
     profile_update,
 )
-from funcshard._plan import ROOT, Plan
+from funcshard._plan import ROOT, UNIT, Plan
 from funcshard._runtime.buffers import Status
 from funcshard._schedule import (ALL_GATHER, ALL_REDUCE, BACKWARD, DEVICE_TO_HOST, END_OF_BACKWARD, FREE,
                                  HOST_TO_DEVICE, POST_BACKWARD, REDUCE_SCATTER, Collective, HostCopy, Op,
-                                 backward_reaches, frees_listed, label, reduce_scatter_at, schedule)
+                                 backward_reaches, frees_listed, frozen_held, gradient_source, label, reduce_scatter_at,
+                                 schedule)
 from funcshard._spec import ShardingError, takes_grad
 
 __all__ = ["CATEGORIES", "Cost", "Hardware", "OwnerCost", "calibrate", "estimate", "fake_mesh", "owner_costs",
@@ -597,7 +598,9 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
     makes the runtime prefetch differently (its forward prefetch follows the plan, its backward prefetch the order
     that ran): refused, with the plan that matches. So are a trained group whose gather no gradient reaches (the
     runtime reduce-scatters nothing for it) and a traced backward that reaches other groups than the schedule's
-    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used)."""
+    (``_schedule.backward_reaches``: what the plan cannot know of where its parameters are used), named with the
+    parameter the schedule starts the gradient at (:func:`_source_and_fix`). (A group's forward run twice in the step
+    the trace refuses: ``profile_step``; so ``ran`` holds each group once.)"""
     ran = tuple(dict.fromkeys(m.group for m in prof.marks if m.kind == FWD_START and m.group != ROOT))
     if plan.order_differs(ran):
         raise ShardingError(
@@ -628,29 +631,75 @@ def _check_order(plan: Plan, prof: StepProfile) -> None:
             f"funcshard.cost.estimate: in the traced step the gradient reaches " + " and ".join(
                 [f"group(s) {more}, which the plan's schedule takes no gradient to reach"] * bool(more)
                 + [f"not group(s) {fewer}, which the plan's schedule takes it to reach"] * bool(fewer))
-            + ". The schedule (plan.collective_order(), _schedule.backward_reaches) has the gradient start at the "
-            f"first parameter that takes one, each parameter used where its module is registered among the groups' "
-            f"modules, each group feeding the next; here the module uses its parameters otherwise, so the runtime "
-            f"issues other backward collectives than the printed ones, which the cost model does not replay. Register "
-            f"the modules in the order the forward uses them, or give the root's trainable modules a group of their "
-            f"own (funcshard.plan(groups=...))")
+            + f". The schedule (plan.collective_order(), _schedule.backward_reaches) has the gradient start at "
+            f"{_source_and_fix(plan)}; the runtime then issues other backward collectives than the printed ones, "
+            f"which the cost model does not replay")
+
+
+def _source_and_fix(plan: Plan) -> str:
+    """Where the schedule starts the gradient (``_schedule.gradient_source``), what it assumed of that parameter, and
+    the way out of ``_check_order``'s refusal for it."""
+    _, param, owner = gradient_source(plan)
+    flow = ("; or the groups do not each feed the next (a skip connection, a detach, parallel branches), which the "
+            "schedule assumes")
+    if param is None:
+        return "no parameter (none takes a gradient)" + flow
+    if owner is None:
+        return (f"{param!r}, taken to be used first in its group's pass (the plan's group order is not the module "
+                f"tree's, so it cannot tell where). Register the modules in the order the forward uses them" + flow)
+    if owner == "":
+        return (f"{param!r}, the root module's own parameter, taken to be used before every group (the root module "
+                f"encloses them); if the forward uses it after a group, move it into a submodule registered where "
+                f"the forward uses it (after that group's modules)" + flow)
+    group = next((g.name for g in plan.groups[1:] if owner in g.modules), None)
+    if group is not None:
+        return (f"{param!r}, a parameter of group {group!r}'s own module, taken to be used before the groups nested "
+                f"in it; if the forward uses it after them, move it into a submodule of {owner!r} registered after "
+                f"theirs, or plan {group!r} without groups nested in it" + flow)
+    return (f"{param!r}, taken to be used where its module {owner!r} is registered among the groups' modules; if "
+            f"the forward uses it elsewhere, register the modules in the order the forward uses them, or give "
+            f"{owner!r} a group of its own (funcshard.plan(groups=...))" + flow)
+
+
+def _check_module(plan: Plan) -> None:
+    """A module under ``fully_shard`` runs its units' own hooks in forward (the units' runtime), which the trace
+    does not replace (its trace saw no gradient reach the root group): refused, with the plan to estimate instead."""
+    if not isinstance(plan.module, torch.nn.Module):
+        return
+    units = [path for path, m in plan.module.named_modules() if m.__dict__.get(UNIT) is not None]
+    if units:
+        raise ShardingError(
+            f"funcshard.cost.estimate: the plan's module is under funcshard.fully_shard (module(s) "
+            f"{[path or '<root>' for path in units]}): its forward runs fully_shard's own hooks (the units' runtime), "
+            f"which the cost model's trace does not replace, so the traced step is not the plan's; "
+            f"estimate a plan of the module before fully_shard (funcshard.plan(model, mesh, groups=...) on a copy not "
+            f"wrapped, e.g. built on the meta device, with the units' modules as groups)")
 
 
 def _check_inputs(plan: Plan, args: tuple, kwargs: dict) -> None:
-    """The schedule takes the step's inputs to take no gradient (``_schedule.backward_reaches``); where one requires
-    grad and the schedule leaves a group out of backward, plain autograd would reach it: refused."""
-    left_out = [g.name for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
+    """The schedule takes the step's inputs to take no gradient (``_schedule.backward_reaches``, the trace as well);
+    where one requires grad and that changes the step (plain autograd reaches a group the schedule leaves out of
+    backward, or the inputs of a frozen group the schedule frees at the end of backward: ``_schedule.frozen_held``):
+    refused."""
     needing = [i for i, t in enumerate(t for t in torch_tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
                if t.requires_grad]
-    if left_out and needing:
+    if not needing:
+        return
+    left_out = [g.name for g in plan.groups[1:] if g.name not in backward_reaches(plan)]
+    held = [g.name for g in plan.groups[1:] if g.name in frozen_held(plan) and g.name not in left_out]
+    if left_out or held:
         raise ShardingError(
             f"funcshard.cost.estimate: input(s) {needing} (of the inputs' tensors, in order) require grad, and the "
-            f"plan's schedule takes no gradient to reach group(s) {left_out} (no parameter that takes one is used "
-            f"before them; _schedule.backward_reaches takes the step's inputs to take none). Under plain autograd "
-            f"the input's gradient reaches them and the runtime issues their backward all-gathers, which the schedule "
-            f"and the cost model leave out; under torch.func transforms (funcshard.value_and_grad) only the state is "
-            f"differentiated and the schedule holds. Pass the inputs detached (x.detach()) to estimate the step "
-            f"without input gradients")
+            f"plan's schedule takes no gradient to reach " + " nor ".join(
+                [f"group(s) {left_out} (no parameter that takes one is used before them)"] * bool(left_out)
+                + [f"the inputs of group(s) {held} (frozen parameters: freed at the end of backward)"] * bool(held))
+            + "; _schedule.backward_reaches takes the step's inputs to take none. Under plain autograd the input's "
+            f"gradient reaches them: the runtime " + " and ".join(
+                ["issues the backward all-gathers of the groups left out"] * bool(left_out)
+                + ["frees a frozen group once its inputs' gradients are done"] * bool(held))
+            + ", which the schedule and the cost model leave out; under torch.func "
+            f"transforms (funcshard.value_and_grad) only the state is differentiated and the schedule holds. Pass the "
+            f"inputs detached (x.detach()) to estimate the step without input gradients")
 
 
 def _shard_shapes(plan: Plan) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -669,9 +718,11 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
     ``profiles``: a dict to keep the traced steps in, for calls on plans of the same module with the same inputs
     and loss: a plan of the same grouping, precision and frozen parameters reuses its trace (as :func:`sweep` does;
     prefetch, resharding and layout are the replay's alone). The step's backward is the schedule's: it reaches the
-    groups ``_schedule.backward_reaches`` says (inputs that take no gradient); where the traced step differs, or an
-    input requires grad and the schedule leaves a group out of backward, or a group runs under reentrant activation
-    checkpointing, it raises a ``ShardingError`` naming the case.
+    groups ``_schedule.backward_reaches`` says (inputs that take no gradient: an input's own gradient is not costed);
+    where the traced step differs, or an input requires grad and the schedule leaves a group out of backward or frees
+    a frozen group at the end of backward, or a group's forward runs twice in the step, or a group runs under
+    reentrant activation checkpointing, or the module is under ``fully_shard``, it raises a ``ShardingError`` naming
+    the case.
 
     Args:
         plan: the plan to cost (a mesh of any world size: a real one, or :func:`fake_mesh`'s).
@@ -689,6 +740,7 @@ def estimate(plan: Plan, *args: Any, loss: Callable[[Any], torch.Tensor] | None 
                 raise TypeError(f"funcshard.cost.estimate: the module returns {type(out).__name__}, not a tensor; "
                                 f"pass loss=lambda out: ... returning a scalar tensor")
             return out.float().sum()
+    _check_module(plan)
     _check_inputs(plan, args, kwargs)
     cache = profiles if profiles is not None else {}
     key = ("step", tuple((g.modules, g.param_dtype, g.output_dtype, g.cast_forward_inputs) for g in plan.groups),

@@ -150,11 +150,13 @@ class _Nested(nn.Module):
 
 
 # (model, frozen parameter prefixes, prefetch depth): MLP(layers=3)'s inp and out are the root group's, each block a
-# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner)
+# group; _Nested's parent group trained after its child (o.post) or the child alone trained (o.inner); "tied": the MLP
+# with blocks.2.l1.weight tied to blocks.0.l1.weight (the root's), used inside blocks.0 (its backward runs)
 FROZEN_CASES = [("mlp", ("inp", "blocks"), 1), ("mlp", ("inp", "blocks"), 0), ("mlp", ("inp", "blocks"), 2),
                 ("mlp", ("inp", "blocks.0"), 1), ("mlp", ("blocks.1",), 1), ("mlp", ("blocks.2", "out"), 1),
                 ("mlp", ("blocks",), 1), ("mlp", ("inp", "blocks.0", "blocks.1.l2", "blocks.2"), 1),
-                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1)]
+                ("nested", ("a", "o.pre", "o.inner", "b", "head"), 1), ("nested", ("a", "o.pre", "o.post", "b"), 1),
+                ("tied", ("inp", "blocks.0.l2", "blocks.0.l1.bias", "blocks.1"), 0)]
 
 
 def _frozen_issued_vs_predicted(cases):
@@ -167,16 +169,18 @@ def _frozen_issued_vs_predicted(cases):
     out = []
     for kind, frozen, depth in cases:
         torch.manual_seed(0)
-        model = MLP(layers=3) if kind == "mlp" else _Nested()
+        model = _Nested() if kind == "nested" else MLP(layers=3)
+        if kind == "tied":
+            model.blocks[2].l1.weight = model.blocks[0].l1.weight
         for name, p in model.named_parameters():
             p.requires_grad_(not name.startswith(frozen))
-        plan = funcshard.plan(model, mesh, groups=(Block,) if kind == "mlp" else ["a", "o", "o.inner", "b"],
+        plan = funcshard.plan(model, mesh, groups=["a", "o", "o.inner", "b"] if kind == "nested" else (Block,),
                               prefetch=depth)
         names = dict(model.named_parameters())
         state = funcshard.shard(plan)
         trainable = {k: v for k, v in state.items() if names[k].requires_grad}
         fixed = {k: v for k, v in state.items() if not names[k].requires_grad}
-        x = torch.randn(2, 7 if kind == "mlp" else 6)
+        x = torch.randn(2, 6 if kind == "nested" else 7)
         with _Tagged(IssuedCollectives()) as rec, _Lifecycle() as life:
             torch.func.grad(lambda tr: loss(funcshard.apply(plan, {**tr, **fixed}, x)))(trainable)
         cost, replayed = _estimate_and_replayed(plan, x, loss)
@@ -210,7 +214,10 @@ def test_a_partly_frozen_models_collectives_are_the_printed_ones():
                     name = line.split()[1].rstrip(",")
                     freed = max(i for i, e in enumerate(lifecycle) if e == ("freed", name))
                     assert (freed > last_rs) == ("at the end of backward" in line), (kind, frozen, line)
-            if kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
+            if kind == "tied":  # blocks.0 runs a backward: the tied weight is used inside it
+                assert "no gradient reaches blocks" not in shown
+                assert "all-gather blocks.0 (before its backward)" in backward
+            elif kind == "nested":  # o.post alone: o.inner and a unreached; o.inner alone: a unreached
                 assert ("no gradient reaches a, o.inner:" if "o.inner" in frozen else "no gradient reaches a:") in shown
             elif frozen == ("inp", "blocks"):  # the head alone: the root's pre-backward prefetches, nothing else
                 assert backward == [*[f"all-gather blocks.{2 - i} (prefetch, while <root> computes; no gradient "
@@ -219,7 +226,7 @@ def test_a_partly_frozen_models_collectives_are_the_printed_ones():
                 assert "no gradient reaches blocks.0, blocks.1, blocks.2: no parameter that takes one" in shown
             elif frozen[-1] == "blocks.2" and frozen[0] == "inp":  # blocks.1's l1 alone trained in the blocks
                 assert "reduce-scatter blocks.1, free it at the end of backward (a frozen parameter, and no gradient " \
-                       "reaches its inputs)" in backward
+                       "reaches its inputs: the step's inputs taken to take none)" in backward
                 assert [line for line in backward if "blocks.0" in line] == [
                     "all-gather blocks.0 (prefetch, while blocks.1 computes; no gradient reaches it: unused, freed at "
                     "the end of backward)"]
@@ -434,8 +441,20 @@ def test_what_the_plan_cannot_know_of_a_frozen_model_is_refused(mesh8):
     x = torch.empty(2, 7, device="meta")
     with pytest.raises(funcshard.ShardingError, match=re.escape(
             "input(s) [0] (of the inputs' tensors, in order) require grad, and the plan's schedule takes no gradient "
-            "to reach group(s) ['blocks.0', 'blocks.1', 'blocks.2']") + ".*Pass the inputs detached"):
+            "to reach group(s) ['blocks.0', 'blocks.1', 'blocks.2'] (no parameter") + ".*Pass the inputs detached"):
         C.estimate(plan, x.requires_grad_())
+    for name, p in model.named_parameters():  # every group reached, blocks.0 frozen in part: freed once its
+        p.requires_grad_(not name.startswith(("inp", "blocks.0.l1")))  # inputs' gradients are done, not at the end
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "takes no gradient to reach the inputs of group(s) ['blocks.0'] (frozen parameters: freed at the end of "
+            "backward)") + ".*Pass the inputs detached"):
+        C.estimate(funcshard.plan(model, mesh8, groups=(Block,)), x)
+    for name, p in model.named_parameters():  # (a trained input projection: the input's gradient changes nothing)
+        p.requires_grad_(not name.startswith("blocks.0.l1"))
+    trained = funcshard.plan(model, mesh8, groups=(Block,))
+    assert list(C.estimate(trained, x).collectives) == list(schedule(trained).collectives())
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("out"))
     assert C.estimate(plan, x.detach()).counts() == {"all-gather": 5, "reduce-scatter": 1}
 
     class LateInput(nn.Module):  # the input projection registered after the blocks, used before them
@@ -455,8 +474,70 @@ def test_what_the_plan_cannot_know_of_a_frozen_model_is_refused(mesh8):
     late.blocks.requires_grad_(False)
     with pytest.raises(funcshard.ShardingError, match=re.escape(
             "in the traced step the gradient reaches group(s) ['blocks.0', 'blocks.1'], which the plan's schedule "
-            "takes no gradient to reach.") + ".*Register the modules in the order the forward uses them"):
+            "takes no gradient to reach. The schedule (plan.collective_order(), _schedule.backward_reaches) has the "
+            "gradient start at 'inp.weight', taken to be used where its module 'inp' is registered") +
+            ".*register the modules in the order the forward uses them, or give 'inp' a group of its own"):
         C.estimate(funcshard.plan(late, mesh8, groups=(Block,)), x.detach())
+
+    class ScaleLast(MLP):  # the root module's own parameter, used last
+        def __init__(self):
+            super().__init__(layers=2)
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    with torch.device("meta"):
+        scaled = ScaleLast()
+    for name, p in scaled.named_parameters():
+        p.requires_grad_(name == "scale")
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "the gradient reaches not group(s) ['blocks.0', 'blocks.1']") + ".*at 'scale', the root module's own "
+            "parameter, taken to be used before every group.*move it into a submodule registered where the forward"):
+        C.estimate(funcshard.plan(scaled, mesh8, groups=(Block,)), x.detach())
+
+    class Scaled(nn.Module):  # a parent group's own parameter, used after the group nested in it
+        def __init__(self):
+            super().__init__()
+            self.inner, self.w = nn.Linear(7, 7), nn.Parameter(torch.ones(7))
+
+        def forward(self, h):
+            return self.inner(h) * self.w
+
+    with torch.device("meta"):
+        parent = nn.Sequential(Scaled(), nn.Linear(7, 2))
+    parent.requires_grad_(False)
+    parent[0].w.requires_grad_(True)
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "the gradient reaches not group(s) ['0.inner']") + ".*at '0.w', a parameter of group '0''s own module, "
+            "taken to be used before the groups nested in it.*or plan '0' without groups nested in it"):
+        C.estimate(funcshard.plan(parent, mesh8, groups=["0", "0.inner"]), x.detach())
+
+    class Twice(MLP):  # blocks.0 called again before the head
+        def forward(self, x):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.out(self.blocks[0](h))
+
+    with torch.device("meta"):
+        twice = Twice(layers=3)
+    for frozen in ((), ("inp", "blocks")):  # (trained: it was a wrong number; a head alone: the replay's bug report)
+        for name, p in twice.named_parameters():
+            p.requires_grad_(not name.startswith(frozen))
+        with pytest.raises(funcshard.ShardingError, match=re.escape(
+                "the forward of group 'blocks.0' ran twice in one step (its module 'blocks.0' is called again)") +
+                ".*call the module once per step, or plan without 'blocks.0' as a group"):
+            C.estimate(funcshard.plan(twice, mesh8, groups=(Block,)), x.detach())
+
+    wrapped = MLP(layers=1)  # (fully_shard's plan: the forward runs the units' own hooks)
+    funcshard.fully_shard(wrapped.blocks[0], mesh=mesh8)
+    funcshard.fully_shard(wrapped, mesh=mesh8)
+    from funcshard.fsdp._units import ctx_of, unit_of
+    with pytest.raises(funcshard.ShardingError, match=re.escape(
+            "the plan's module is under funcshard.fully_shard (module(s) ['<root>', 'blocks.0'])") +
+            ".*estimate a plan of the module before fully_shard"):
+        C.estimate(ctx_of(unit_of(wrapped)).plan(), x.detach())
 
     with torch.device("meta"):
         skipping = MLP(layers=3)

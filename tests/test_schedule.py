@@ -241,10 +241,26 @@ def test_backward_reaches_the_groups_after_the_first_trained_parameter():
     assert reached(nested, groups, ("0.0.",)) == {"0", "0.1"}  # the parent's first layer: before its child
     assert reached(nested, groups, ("0.2.",)) == {"0"}  # its last layer: after its child
     assert reached(nested, groups, ("0.1.",)) == {"0", "0.1"}  # the child, and the parent enclosing it
+    # a weight tied across groups (the root's: its first path, 0.0, inside group 0's module): used while 0 is open
+    tied = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(3)])
+    tied[2][0].weight = tied[0][0].weight
+    blocks = [(str(i), (str(i),), tuple(p for p, _ in tied.named_parameters() if p.startswith(f"{i}.")
+                                        and p != "0.0.weight")) for i in range(3)]
+    assert reached(tied, blocks, ("0.0.weight",)) == {"0", "1", "2"}
+    seq[2].weight = seq[0].weight  # (tied to group 0's own module)
+    layers = [("0", ("0",), ("0.bias",)), ("1", ("1",), ("1.weight", "1.bias")), ("2", ("2",), ("2.bias",))]
+    assert reached(seq, layers, ("0.weight",)) == {"0", "1", "2"}
+    assert reached(seq, layers, ("2.bias",)) == {"2"}
+    plan = _pure_plan(seq, layers)  # (used inside 0's pass, after it opens: no gradient reaches 0's inputs)
+    lines = schedule(plan.replace(specs={k: dataclasses.replace(s, requires_grad=k == "0.weight")
+                                         for k, s in plan.specs.items()})).lines()
+    assert "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its " \
+           "inputs: the step's inputs taken to take none)" in lines
     plan = _pure_plan(nested, groups)
     lines = schedule(plan.replace(specs={k: dataclasses.replace(s, requires_grad=k.startswith("0.2."))
                                          for k, s in plan.specs.items()})).lines()
     assert lines[lines.index("-- backward --"):] == [
         "-- backward --", "all-gather 0 (before its backward)",
-        "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its inputs)",
+        "reduce-scatter 0, free it at the end of backward (a frozen parameter, and no gradient reaches its inputs: the "
+        "step's inputs taken to take none)",
         "reduce-scatter <root>, free it"]

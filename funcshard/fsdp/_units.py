@@ -20,13 +20,12 @@ from torch.distributed.tensor import DTensor
 from funcshard._comm import storage_ptr
 from funcshard._compat import is_symm_mem_reduce_scatter, param_slots
 from funcshard._offload import to_host
-from funcshard._plan import ROOT, Group, Plan
+from funcshard._plan import ROOT, UNIT, Group, Plan
 from funcshard._plan import plan as make_plan
 from funcshard._policy import MixedPrecisionPolicy, reshard_after_forward_default
 from funcshard._runtime import Step
 from funcshard.fsdp._sink import GradSink, _Param
 
-UNIT = "_funcshard_unit"  # module attribute: the unit the module belongs to
 _OWNER = "_funcshard_owner"  # parameter attribute: the unit managing it (on the original and the DTensor)
 FSDP_CLASSES: dict[type, type] = {}  # a module class -> its FSDP<Cls> subclass
 
