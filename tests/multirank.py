@@ -37,7 +37,9 @@ Failures:
 Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
 the pool is killed and the next call starts a fresh one.  After every job in which all ranks
 answered, an all_reduce on the default group checks that the pool is still in step (no rank left
-a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too; if so, every rank
+destroys the process groups the job made (``_release_groups``; a job's groups, meshes and plans do not outlive it: a
+module-level cache of them in a test module sees its groups destroyed between jobs).
 Worker stdout/stderr (file descriptors 1 and 2) go where the parent's went when the pool started (pytest
 captures them).
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import importlib
 import json
 import multiprocessing as mp
@@ -127,6 +130,7 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         reply = ("ok", os.getpid())
+        gc.freeze()  # (torch's and the preloaded modules' objects: the release's gc.collect skips them, ~30 ms not ~1 s)
     except BaseException:
         reply = ("err", traceback.format_exc())
     conn.send_bytes(pickle.dumps(reply))
@@ -143,6 +147,7 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
                 dist.all_reduce(t)
                 if t.item() != world_size:
                     raise RuntimeError(f"health check all_reduce gave {t.item()}, not {world_size}")
+                _release_groups(keep=pickle.loads(job))
                 result = None
             else:
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
@@ -160,6 +165,55 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_KEPT: list = []  # destroyed groups that may hold a pending gloo collective: kept alive, never freed (_release_groups)
+
+
+def _release_groups(keep: bool) -> None:
+    """After a job every rank answered (the health check's all_reduce: every rank has left the job), destroy the
+    process groups it made, on every rank alike, so that their gloo threads and sockets go (~3 threads a group: never
+    destroyed, a worker grew by ~95 threads in tests/test_mesh2d.py alone). torch's caches that keep meshes by
+    equality (DeviceMesh compares by layout, not by its groups) are cleared first: a later job's equal mesh got the
+    destroyed group's name from them ("Could not resolve the process group registered under the name 3"), and they
+    would keep the groups alive. A group that may hold a pending gloo collective is destroyed but kept alive
+    (``_KEPT``, never freed): freeing it waits in gloo's threads for that collective until gloo's timeout (~25-30 s
+    inside a later job's garbage collection); that is every group of a job that raised on some rank (``keep``), and a
+    group a funcshard collective timed out on."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = [pg for pg in c10d._world.pg_map if pg is not c10d.GroupMember.WORLD]
+    if not groups:
+        return
+    _clear_mesh_caches()
+    collectives = sys.modules.get("funcshard._collectives")
+    for pg in groups:
+        if keep or (collectives is not None and (collectives.broken(pg) or "").endswith("timed out")):
+            _KEPT.append(pg)
+        dist.destroy_process_group(pg)
+        if collectives is not None:
+            collectives.forget(pg)
+    del groups, pg
+    gc.collect()  # (a fully_shard model's mesh sits in reference cycles: its groups go now, not in a later job)
+
+
+def _clear_mesh_caches() -> None:
+    """Clear torch's caches keyed by (or holding) DeviceMeshes: DTensor's sharding propagation (Python and C++), its
+    redistribute plans and transforms, its mesh topology and tensor-meta caches (each guarded: torch 2.11 lacks some)."""
+    for module, path in [("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+                         ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+                         ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+                         ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+                         ("torch.distributed.tensor._sharding_prop",
+                          "ShardingPropagator._propagate_tensor_meta_cached.cache_clear")]:
+        try:
+            fn = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in path.split("."):
+            fn = getattr(fn, name, None)
+        if callable(fn):
+            fn()
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -356,7 +410,7 @@ def run_ranks(world_size, fn, *args, timeout=120.0, grace=GRACE, dead_ok=False, 
         if missing:
             stacks = pool.dump_stacks(missing)
         elif not dead:  # everyone answered: is the default group still usable and in step?
-            pool.send("sync")
+            pool.send("sync", pickle.dumps(any(s != "ok" for s, _ in replies.values())))  # (raised: keep its groups)
             unsynced = pool.collect(SYNC_TIMEOUT)
             if unsynced[1] or unsynced[2] or any(s != "ok" for s, _ in unsynced[0].values()):
                 stacks = pool.dump_stacks(unsynced[2]) if unsynced[2] else {}

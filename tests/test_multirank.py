@@ -184,3 +184,31 @@ def _cwd():
 def test_workers_follow_callers_cwd(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert run_ranks(2, _cwd) == [str(tmp_path)] * 2
+
+
+def _groups_job():
+    """A group over every rank, a DTensor sum gathered over a mesh of it (DTensor's caches keep the mesh, and an earlier
+    job's mesh over its own such group is equal to this one: DeviceMesh compares by layout), and a 2-D mesh (a group
+    of its own on its axis of 1): the gathered values and this worker's OS threads (gloo's C++ threads included)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pg = dist.new_group(list(range(dist.get_world_size())))
+    dt = distribute_tensor(torch.arange(8.0), DeviceMesh.from_group(pg, "cpu"), [Shard(0)])
+    full = (dt + 1).full_tensor()  # (the sum's mesh: from DTensor's sharding propagation cache)
+    init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    return full.tolist(), len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_a_jobs_process_groups_do_not_outlive_it():
+    """Each job makes 2 gloo groups on each rank (3 threads each); the harness destroys them after the job, so a
+    worker's thread count stays flat over jobs (it grew by 6 threads a job: 10, 16, ..., 34 over 5 jobs), and the next
+    job's equal mesh over its own group works (torch's caches that keep meshes by equality are cleared: else "Could
+    not resolve the process group registered under the name ...")."""
+    threads = []
+    for _ in range(5):
+        out = run_ranks(2, _groups_job)
+        assert [full for full, _ in out] == [list(map(float, range(1, 9)))] * 2
+        threads.append([n for _, n in out])
+    assert all(n <= first + 2 for first, n in zip(threads[1], threads[-1])), threads
