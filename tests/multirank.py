@@ -143,11 +143,14 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
         try:
             if cmd == "sync":
-                t = torch.ones(1)
+                groups = _job_groups()
+                t = torch.tensor([1.0, float(len(groups))])  # (and whether any rank has groups to release)
                 dist.all_reduce(t)
-                if t.item() != world_size:
-                    raise RuntimeError(f"health check all_reduce gave {t.item()}, not {world_size}")
-                _release_groups(keep=pickle.loads(job))
+                if t[0].item() != world_size:
+                    raise RuntimeError(f"health check all_reduce gave {t[0].item()}, not {world_size}")
+                if t[1].item():
+                    _release_groups(groups)
+                del groups
                 result = None
             else:
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
@@ -170,31 +173,49 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
 _KEPT: list = []  # destroyed groups that may hold a pending gloo collective: kept alive, never freed (_release_groups)
 
 
-def _release_groups(keep: bool) -> None:
-    """After a job every rank answered (the health check's all_reduce: every rank has left the job), destroy the
-    process groups it made, on every rank alike, so that their gloo threads and sockets go (~3 threads a group: never
-    destroyed, a worker grew by ~95 threads in tests/test_mesh2d.py alone). torch's caches that keep meshes by
-    equality (DeviceMesh compares by layout, not by its groups) are cleared first: a later job's equal mesh got the
-    destroyed group's name from them ("Could not resolve the process group registered under the name 3"), and they
-    would keep the groups alive. A group that may hold a pending gloo collective is destroyed but kept alive
-    (``_KEPT``, never freed): freeing it waits in gloo's threads for that collective until gloo's timeout (~25-30 s
-    inside a later job's garbage collection); that is every group of a job that raised on some rank (``keep``), and a
-    group a funcshard collective timed out on."""
+def _job_groups() -> list:
+    """The process groups registered on this rank besides the default group: the last job's (earlier ones' are
+    destroyed after each job)."""
     from torch.distributed import distributed_c10d as c10d
 
-    groups = [pg for pg in c10d._world.pg_map if pg is not c10d.GroupMember.WORLD]
-    if not groups:
-        return
+    return [pg for pg in c10d._world.pg_map if pg is not c10d.GroupMember.WORLD]
+
+
+def _release_groups(groups: list) -> None:
+    """After a job every rank answered (the health check's all_reduce: every rank has left the job), destroy the
+    process groups it made (``groups``, this rank's), on every rank alike, so that their gloo threads and sockets go
+    (~3 threads a group: never destroyed, a worker grew by ~95 threads in tests/test_mesh2d.py alone). torch's caches
+    that keep meshes by equality (DeviceMesh compares by layout, not by its groups) are cleared first: a later job's
+    equal mesh got the destroyed group's name from them ("Could not resolve the process group registered under the
+    name 3"), and they would keep the groups alive.
+
+    A group whose ranks issued different numbers of collectives on it (gloo's sequence numbers, gathered over the
+    default group; e.g. a funcshard collective that timed out, or a rank that raised while its peers waited) may hold
+    a pending gloo collective: it is destroyed but kept alive on each of its ranks (``_KEPT``, never freed), because
+    freeing it waits in gloo's threads for that collective until the group's timeout while a peer's object lives
+    (~25-30 s inside a later job's garbage collection, or this health check timing out: measured)."""
+    seqs = [None] * dist.get_world_size()
+    dist.all_gather_object(seqs, {pg.group_name: (tuple(dist.get_process_group_ranks(pg)), _seq(pg))
+                                  for pg in groups})
     _clear_mesh_caches()
     collectives = sys.modules.get("funcshard._collectives")
     for pg in groups:
-        if keep or (collectives is not None and (collectives.broken(pg) or "").endswith("timed out")):
+        mine = seqs[dist.get_rank()][pg.group_name]
+        if mine[1] is None or any(other.get(pg.group_name, mine) != mine for other in seqs):
             _KEPT.append(pg)
         dist.destroy_process_group(pg)
         if collectives is not None:
             collectives.forget(pg)
     del groups, pg
     gc.collect()  # (a fully_shard model's mesh sits in reference cycles: its groups go now, not in a later job)
+
+
+def _seq(pg) -> int | None:
+    """The number of collectives this rank issued on ``pg`` (gloo's sequence number; None where there is none)."""
+    try:
+        return pg._get_sequence_number_for_group()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _clear_mesh_caches() -> None:
@@ -410,7 +431,7 @@ def run_ranks(world_size, fn, *args, timeout=120.0, grace=GRACE, dead_ok=False, 
         if missing:
             stacks = pool.dump_stacks(missing)
         elif not dead:  # everyone answered: is the default group still usable and in step?
-            pool.send("sync", pickle.dumps(any(s != "ok" for s, _ in replies.values())))  # (raised: keep its groups)
+            pool.send("sync")
             unsynced = pool.collect(SYNC_TIMEOUT)
             if unsynced[1] or unsynced[2] or any(s != "ok" for s, _ in unsynced[0].values()):
                 stacks = pool.dump_stacks(unsynced[2]) if unsynced[2] else {}

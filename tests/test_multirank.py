@@ -212,3 +212,30 @@ def test_a_jobs_process_groups_do_not_outlive_it():
         assert [full for full, _ in out] == [list(map(float, range(1, 9)))] * 2
         threads.append([n for _, n in out])
     assert all(n <= first + 2 for first, n in zip(threads[1], threads[-1])), threads
+
+
+_HELD: list = []  # (a group kept alive across jobs by a test module, as test_divergence's and test_muon's lists do)
+
+
+def _leave_a_collective_pending():
+    """Rank 0 issues a collective on a new group that rank 1 never joins; rank 1 keeps its object of the group alive."""
+    from datetime import timedelta
+
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(1), group=pg)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), group=pg, async_op=True)
+    else:
+        _HELD.append(pg)
+    return os.getpid()
+
+
+def test_a_group_left_with_a_pending_collective_is_not_freed():
+    """Freeing a gloo group whose collective is pending waits in gloo's threads until the group's timeout while the
+    peer's object lives: the harness keeps such a group (its ranks' sequence numbers differ) alive instead, so the
+    health check after the job and the next job are not held up (freed, the health check timed out and the pool was
+    killed)."""
+    pids = run_ranks(2, _pid)
+    t0 = time.monotonic()
+    assert run_ranks(2, _leave_a_collective_pending) == pids
+    assert run_ranks(2, _pid) == pids and time.monotonic() - t0 < 5
