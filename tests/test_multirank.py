@@ -200,14 +200,21 @@ def _groups_job():
     return full.tolist(), len(os.listdir("/proc/self/task"))
 
 
+def _group_on_rank_0_only():
+    dist.new_group([0])  # (every rank calls it; only rank 0 is in it: rank 1 has no group to release)
+    return os.getpid()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
 def test_a_jobs_process_groups_do_not_outlive_it():
-    """Each job makes 2 gloo groups on each rank (3 threads each); the harness destroys them after the job, so a
-    worker's thread count stays flat over jobs (it grew by 6 threads a job: 10, 16, ..., 34 over 5 jobs), and the next
-    job's equal mesh over its own group works (torch's caches that keep meshes by equality are cleared: else "Could
-    not resolve the process group registered under the name ...")."""
-    threads = []
+    """Each _groups_job makes 2 gloo groups on each rank (3 threads each); the harness destroys them after the job
+    (and after a job that made a group on one rank only), so a worker's thread count stays flat over jobs (it grew
+    by 6 threads a job: 10, 16, ..., 34 over 5 jobs), and the next job's equal mesh over its own group works (torch's
+    caches that keep meshes by equality are cleared: else "Could not resolve the process group registered under the
+    name ...")."""
+    threads, pids = [], run_ranks(2, _pid)
     for _ in range(5):
+        assert run_ranks(2, _group_on_rank_0_only) == pids  # (the pool kept: the release ran on both)
         out = run_ranks(2, _groups_job)
         assert [full for full, _ in out] == [list(map(float, range(1, 9)))] * 2
         threads.append([n for _, n in out])
