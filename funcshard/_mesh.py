@@ -17,6 +17,7 @@ sub-mesh of a full SPMD mesh named by ``DataParallelMeshDims``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,26 +76,42 @@ def replicate_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return mesh.get_group(axis)
 
 
-_POST_FORWARD: dict = {}  # (mesh, axis, k, its group) -> (process group, rank in it): made once (collective)
+# axis group -> {(the mesh's ranks, its shape, axis, k): (weak reference to the post-forward group, rank in it)}.
+# Weak both ways and holding no mesh (a mesh holds its groups): a group destroyed (``dist.destroy_process_group``) is
+# freed with its last reference, gloo's threads and sockets with it, and made again at the next use; equal meshes
+# (DeviceMesh compares by layout) over another axis group get groups of their own.
+_POST_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def post_forward_group(mesh: DeviceMesh, axis: int, k: int) -> tuple[dist.ProcessGroup, int]:
     """The process group of ``k`` ranks this rank keeps its parameters sharded over after forward (int
     ``reshard_after_forward``, FSDP2's post-forward mesh, ZeRO++ hpZ): the shard axis ``axis`` cut into consecutive
-    blocks of ``k`` ranks (``k`` divides its size), and this rank's index in its block. Made once per mesh, axis and
-    ``k``, on every rank in the same order (it creates process groups)."""
-    key = (mesh, axis, k, mesh.get_group(axis))  # (the axis's group: ranks run as threads have a group each)
-    hit = _POST_FORWARD.get(key)
-    if hit is not None:
-        try:
-            dist.get_world_size(hit[0])
-        except Exception:  # (its process group was destroyed since: make it again)
-            hit = None
-    if hit is None:
-        ranks = mesh.mesh.movedim(axis, -1).reshape(-1, k)
-        sub = DeviceMesh(mesh.device_type, ranks)
-        hit = _POST_FORWARD[key] = (sub.get_group(1), sub.get_local_rank(1))
-    return hit
+    blocks of ``k`` ranks (``k`` divides its size), and this rank's index in its block. Made once per axis group,
+    mesh layout and ``k`` (again once destroyed), on every rank in the same order: one ``new_group`` per block, as
+    ``DeviceMesh`` makes its axis of size ``k`` (not the other axis, which nothing uses)."""
+    per_axis = _POST_FORWARD.setdefault(mesh.get_group(axis), {})  # (ranks run as threads have a group each)
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), axis, k)
+    hit = per_axis.get(key)
+    pg = None if hit is None else hit[0]()
+    if pg is not None and live_group(pg):
+        return pg, hit[1]
+    me = dist.get_rank()
+    for ranks in mesh.mesh.movedim(axis, -1).reshape(-1, k).tolist():
+        group = dist.new_group(ranks)
+        if me in ranks:
+            pg, rank = group, ranks.index(me)
+    per_axis[key] = (weakref.ref(pg), rank)
+    return pg, rank
+
+
+def live_group(pg) -> bool:
+    """Whether a process group funcshard keeps is still registered (not destroyed since, e.g. by a test harness
+    between jobs; a destroyed group may still answer ``size()``)."""
+    try:
+        dist.get_process_group_ranks(pg)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def mesh_str(mesh: DeviceMesh) -> str:

@@ -36,7 +36,7 @@ from funcshard._pipeline import gather_tangents
 from funcshard._comm import plain
 from funcshard._compat import dtensor_local, new_named_group, process_group_store, root_mesh
 from funcshard._layout import full_layouts
-from funcshard._mesh import device_of
+from funcshard._mesh import device_of, live_group
 from funcshard._offload import HOST, place_state, to_host
 from funcshard._plan import Plan, module_params
 from funcshard._shard import _fail, check_state
@@ -256,7 +256,7 @@ def _dcp_group(plan: Plan, backend: str | None = None):
         return None
     key = (id(dist.group.WORLD), backend, ranks)
     pg = _part_groups.get(key)
-    if pg is None or not _live(pg):  # (only the part's ranks take part in making it)
+    if pg is None or not live_group(pg):  # (only the part's ranks take part in making it)
         pg = _part_groups[key] = _new_group(key, backend, None)
     return pg
 
@@ -289,20 +289,9 @@ def _save_group(plan: Plan):
     seconds = resolve_timeout(plan.timeout)
     key = (id(dist.group.WORLD), "save", ranks, seconds)
     pg = _part_groups.get(key)
-    if pg is None or not _live(pg):  # (only the mesh's ranks take part in making it)
+    if pg is None or not live_group(pg):  # (only the mesh's ranks take part in making it)
         pg = _part_groups[key] = _new_group(key, "gloo", None if seconds is None else timedelta(seconds=seconds))
     return pg
-
-
-def _live(pg) -> bool:
-    """Whether a cached group is still registered (not destroyed since: e.g. by a test harness between jobs)."""
-    import torch.distributed as dist
-
-    try:
-        dist.get_process_group_ranks(pg)
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
 
 
 def _save_failed(checkpoint_id: str, error: BaseException, pg) -> BaseException:

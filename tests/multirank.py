@@ -37,7 +37,9 @@ Failures:
 Ranks that did not answer have their Python stacks (via faulthandler) put in the message, then
 the pool is killed and the next call starts a fresh one.  After every job in which all ranks
 answered, an all_reduce on the default group checks that the pool is still in step (no rank left
-a collective behind, nobody destroyed the default group); if not, the pool is discarded too.
+a collective behind, nobody destroyed the default group); if not, the pool is discarded too; if so, every rank
+destroys the process groups the job made (``_release_groups``; a job's groups, meshes and plans do not outlive it: a
+module-level cache of them in a test module sees its groups destroyed between jobs).
 Worker stdout/stderr (file descriptors 1 and 2) go where the parent's went when the pool started (pytest
 captures them).
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import importlib
 import json
 import multiprocessing as mp
@@ -69,6 +72,9 @@ GLOO_TIMEOUT = 60.0     # s before a stuck collective raises inside a worker (ha
 STARTUP_TIMEOUT = 120.0  # s for a fresh pool to import torch and rendezvous
 GRACE = 3.0             # s the other ranks get to answer once one rank has failed
 SYNC_TIMEOUT = 10.0     # s for the post-job health check
+# whether pools started from now on destroy a job's process groups after it (_release_groups) and gc.freeze() their
+# workers at start; False: a test module that manages its groups itself (test_divergence)
+RELEASE = True
 # imported once by the fork server, so that no worker imports them again (comma separated; "" for none)
 PRELOAD = os.environ.get("MULTIRANK_PRELOAD", "funcshard.fsdp,torch.distributed.fsdp,torch.distributed.checkpoint")
 _FORKSERVER_ENV = "_MULTIRANK_FORKSERVER_PRELOAD"  # set only while the fork server starts (see _context)
@@ -111,7 +117,7 @@ class _Fd:
         return dup.detach()
 
 
-def _worker(rank, world_size, port, conn, stack_path, stdio):
+def _worker(rank, world_size, port, conn, stack_path, stdio, release):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     for target, fd in stdio:  # the parent's at the pool's start (the fork server's: another test's capture)
         os.dup2(fd, target)
@@ -127,6 +133,8 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         reply = ("ok", os.getpid())
+        if release:
+            gc.freeze()  # (torch's and the preloaded modules' objects: the release's gc.collect skips them: ~30 ms)
     except BaseException:
         reply = ("err", traceback.format_exc())
     conn.send_bytes(pickle.dumps(reply))
@@ -139,10 +147,14 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
         try:
             if cmd == "sync":
-                t = torch.ones(1)
+                groups = _job_groups()
+                t = torch.tensor([1.0, float(len(groups))])  # (and whether any rank has groups to release)
                 dist.all_reduce(t)
-                if t.item() != world_size:
-                    raise RuntimeError(f"health check all_reduce gave {t.item()}, not {world_size}")
+                if t[0].item() != world_size:
+                    raise RuntimeError(f"health check all_reduce gave {t[0].item()}, not {world_size}")
+                if t[1].item() and release:
+                    _release_groups(groups)
+                del groups
                 result = None
             else:
                 sys.path[:] = path  # the parent's, so fn pickled by reference imports the same
@@ -160,6 +172,78 @@ def _worker(rank, world_size, port, conn, stack_path, stdio):
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_KEPT: list = []  # destroyed groups that may hold a pending gloo collective: kept alive, never freed (_release_groups)
+
+
+def _job_groups() -> list:
+    """The process groups registered on this rank besides the default group: the last job's (earlier ones' are
+    destroyed after each job)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [pg for pg in c10d._world.pg_map if pg is not c10d.GroupMember.WORLD]
+
+
+def _release_groups(groups: list) -> None:
+    """After a job every rank answered (the health check's all_reduce: every rank has left the job), destroy the
+    process groups it made (``groups``, this rank's), on every rank alike, so that their gloo threads and sockets go
+    (~3 threads a group: never destroyed, a worker grew by ~95 threads in tests/test_mesh2d.py alone). torch's caches
+    that keep meshes by equality (DeviceMesh compares by layout, not by its groups) are cleared first: a later job's
+    equal mesh got the destroyed group's name from them ("Could not resolve the process group registered under the
+    name 3"), and they would keep the groups alive.
+
+    A rank that issued more collectives on a group than one of its peers (gloo's sequence numbers, gathered over the
+    default group; e.g. a funcshard collective that timed out, or ranks waiting for one that raised) may hold a
+    pending gloo collective on it: there the group is destroyed but kept alive (``_KEPT``, never freed), because
+    freeing it waits in gloo's threads for that collective until the group's timeout while a peer's object lives
+    (~25-30 s inside a later job's garbage collection, or this health check timing out: measured). The ranks that
+    issued the fewest have none pending and free theirs, which ends the others' pending collective with an error at
+    once, as before this release (test_divergence kept such a group on the rank that failed only)."""
+    seqs = [None] * dist.get_world_size()
+    dist.all_gather_object(seqs, {pg.group_name: (tuple(dist.get_process_group_ranks(pg)), _seq(pg))
+                                  for pg in groups})
+    _clear_mesh_caches()
+    collectives = sys.modules.get("funcshard._collectives")
+    for pg in groups:
+        ranks, mine = seqs[dist.get_rank()][pg.group_name]
+        members = [other[pg.group_name][1] for other in seqs if other.get(pg.group_name, (None,))[0] == ranks]
+        if mine is None or None in members or mine > min(members):  # (issued more than a peer: may be pending)
+            _KEPT.append(pg)
+        dist.destroy_process_group(pg)
+        if collectives is not None:
+            collectives.forget(pg)
+    groups.clear()  # (the caller's list)
+    pg = None  # (the last one's reference: every group is freed here unless _KEPT or a job's own leftovers hold it)
+    gc.collect()  # (a fully_shard model's mesh sits in reference cycles: its groups go now, not in a later job)
+
+
+def _seq(pg) -> int | None:
+    """The number of collectives this rank issued on ``pg`` (gloo's sequence number; None where there is none)."""
+    try:
+        return pg._get_sequence_number_for_group()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _clear_mesh_caches() -> None:
+    """Clear torch's caches keyed by (or holding) DeviceMeshes: DTensor's sharding propagation (Python and C++), its
+    redistribute plans and transforms, its mesh topology and tensor-meta caches (each guarded: not every torch version
+    has all of them)."""
+    for module, path in [("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+                         ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+                         ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+                         ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+                         ("torch.distributed.tensor._sharding_prop",
+                          "ShardingPropagator._propagate_tensor_meta_cached.cache_clear")]:
+        try:
+            fn = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in path.split("."):
+            fn = getattr(fn, name, None)
+        if callable(fn):
+            fn()
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -204,7 +288,7 @@ class _Pool:
         for r in range(world_size):
             here, there = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"multirank-w{world_size}-rank{r}", daemon=True,
-                            args=(r, world_size, self.store.port, there, self._stack_path(r), stdio))
+                            args=(r, world_size, self.store.port, there, self._stack_path(r), stdio, RELEASE))
             p.start()
             there.close()
             self.procs.append(p)

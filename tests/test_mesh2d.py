@@ -325,6 +325,35 @@ def test_int_reshard_holds_a_kth_between_forward_and_backward():
             assert abs(2 * (h_two - h_true) - (h_false - h_true)) <= 64, (system, res)
 
 
+def _post_forward_group_made_again():
+    """The int reshard's post-forward group of a 1-D mesh: made once (one group on this rank: the block of k, not the
+    mesh's other axis), kept by nothing of funcshard once destroyed (its gloo threads go with it), and made again for
+    an equal mesh after that (it was returned destroyed: a harness destroying a job's groups broke the next job)."""
+    import gc
+    import weakref
+
+    from funcshard._mesh import post_forward_group
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    pg, rank = post_forward_group(_mesh((4,)), 0, 2)
+    made = len(dist.distributed_c10d._world.pg_map) - before
+    cached = post_forward_group(_mesh((4,)), 0, 2)[0] is pg
+    ref = weakref.ref(pg)
+    dist.destroy_process_group(pg)
+    del pg
+    gc.collect()
+    again, rank_again = post_forward_group(_mesh((4,)), 0, 2)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=again)
+    return made, cached, ref() is None, (rank, rank_again), dist.get_process_group_ranks(again), t.item()
+
+
+def test_post_forward_group_made_once_and_again_once_destroyed():
+    for r, (made, cached, freed, ranks, members, total) in enumerate(run_ranks(4, _post_forward_group_made_again)):
+        assert (made, cached, freed, ranks, total) == (1, True, True, (r % 2, r % 2), 2.0)
+        assert members == [r - r % 2, r - r % 2 + 1]
+
+
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 

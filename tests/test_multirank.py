@@ -184,3 +184,65 @@ def _cwd():
 def test_workers_follow_callers_cwd(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert run_ranks(2, _cwd) == [str(tmp_path)] * 2
+
+
+def _groups_job():
+    """A group over every rank, a DTensor sum gathered over a mesh of it (DTensor's caches keep the mesh, and an earlier
+    job's mesh over its own such group is equal to this one: DeviceMesh compares by layout), and a 2-D mesh (a group
+    of its own on its axis of 1): the gathered values and this worker's OS threads (gloo's C++ threads included)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    pg = dist.new_group(list(range(dist.get_world_size())))
+    dt = distribute_tensor(torch.arange(8.0), DeviceMesh.from_group(pg, "cpu"), [Shard(0)])
+    full = (dt + 1).full_tensor()  # (the sum's mesh: from DTensor's sharding propagation cache)
+    init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    return full.tolist(), len(os.listdir("/proc/self/task"))
+
+
+def _group_on_rank_0_only():
+    dist.new_group([0])  # (every rank calls it; only rank 0 is in it: rank 1 has no group to release)
+    return os.getpid()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_a_jobs_process_groups_do_not_outlive_it():
+    """Each _groups_job makes 2 gloo groups on each rank (3 threads each); the harness destroys them after the job
+    (and after a job that made a group on one rank only), so a worker's thread count stays flat over jobs (it grew
+    by 6 threads a job: 10, 16, ..., 34 over 5 jobs), and the next job's equal mesh over its own group works (torch's
+    caches that keep meshes by equality are cleared: else "Could not resolve the process group registered under the
+    name ...")."""
+    threads, pids = [], run_ranks(2, _pid)
+    for _ in range(5):
+        assert run_ranks(2, _group_on_rank_0_only) == pids  # (the pool kept: the release ran on both)
+        out = run_ranks(2, _groups_job)
+        assert [full for full, _ in out] == [list(map(float, range(1, 9)))] * 2
+        threads.append([n for _, n in out])
+    assert all(n <= first + 2 for first, n in zip(threads[1], threads[-1])), threads
+
+
+_HELD: list = []  # (a group kept alive across jobs by a test module, as test_divergence's and test_muon's lists do)
+
+
+def _leave_a_collective_pending():
+    """Rank 0 issues a collective on a new group that rank 1 never joins; rank 1 keeps its object of the group alive."""
+    from datetime import timedelta
+
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(1), group=pg)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), group=pg, async_op=True)
+    else:
+        _HELD.append(pg)
+    return os.getpid()
+
+
+def test_a_group_left_with_a_pending_collective_is_not_freed():
+    """Freeing a gloo group whose collective is pending waits in gloo's threads until the group's timeout while the
+    peer's object lives: the harness keeps such a group (its ranks' sequence numbers differ) alive instead, so the
+    health check after the job and the next job are not held up (freed, the health check timed out and the pool was
+    killed)."""
+    pids = run_ranks(2, _pid)
+    t0 = time.monotonic()
+    assert run_ranks(2, _leave_a_collective_pending) == pids
+    assert run_ranks(2, _pid) == pids and time.monotonic() - t0 < 5
