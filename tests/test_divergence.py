@@ -75,7 +75,8 @@ def _warm_pool():
     Its pools do not destroy a job's groups after it (``multirank.RELEASE``): these scenarios destroy their own
     (``_release``). With the release, test_a_group_made_again_under_its_name_does_not_read_the_old_keys hung in
     new_group or had attempt 2's connections reset in 4 of 9 runs of this file under load ~10 (main: 0 of 6); without
-    it, 1 of 2 (cause not found: open)."""
+    it, 1 of 2. The cause was the scenario's own: a rank made the group again (same name, same store keys) while its
+    peer still held the old one; barriers around the destroy fixed it (6 of 6 runs after, 3 of 9 failed before)."""
     shutdown_pools()
     multirank.RELEASE = False
     try:
@@ -879,8 +880,10 @@ def _made_again():
         dist.barrier()
         store = process_group_store(pg)
         out.append((pg.group_name, outcome, [k for k in _LEFT if store.check([k])]))
+        dist.barrier()  # (every rank read the store before any destroys: the group is made again under its name)
         dist.destroy_process_group(pg)
         forget(pg)
+        dist.barrier()  # (every rank destroyed it before any makes it again: gloo's rendezvous reads the same keys)
     return out
 
 
