@@ -592,6 +592,8 @@ def _apply_create_graph():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     import funcshard
     from funcshard._traced import buckets
 
@@ -606,7 +608,9 @@ def _apply_create_graph():
     plans = {"per_block": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)),
              "flat": funcshard.plan(m, mesh, groups=(torch.nn.Linear,), layout="flat"),
              "comm": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)).with_group(
-                 "2", comm=funcshard.bf16_reduce_scatter())}
+                 "2", comm=funcshard.bf16_reduce_scatter()),
+             "offload": funcshard.plan(m, mesh, groups=(torch.nn.Linear,),
+                                       offload_policy=CPUOffloadPolicy(pin_memory=False))}
     for name, plan in plans.items():
         leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
         loss = lambda: funcshard.apply(plan, leaves, x).pow(2).sum()  # noqa: E731
@@ -636,18 +640,19 @@ def test_apply_create_graph_collectives_and_refusals():
     issues the runtime's collectives (3 all-gathers in forward, 3 again in backward, 3 reduce-scatters), a
     create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
     the same first-order values bit for bit.
-    Still refused when differentiated again, naming the group and the case: a layout="flat" plan and a group with a
-    comm hook (its reduce-scatter would be bypassed); the WGAN-GP penalty on the flat plan is exact (its second
+    Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
+    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan is exact (its second
     backward is first order through the gather)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
         counts, n = out["per_block", "counts"]
         assert n == 3 and counts["plain"] == counts["create_graph"] == ["ag"] * 6 + ["rs"] * 3, out
-        assert all(out[p, "same"] for p in ("per_block", "flat", "comm")), out
+        assert all(out[p, "same"] for p in ("per_block", "flat", "comm", "offload")), out
         assert out["per_block", "again"] == "no error", out
         for name, groups, why in (("flat", ("0", "2", "4"), r"layout='flat'"),
-                                  ("comm", ("2",), r"it has a comm hook \(Group\.comm\)")):
+                                  ("comm", ("2",), r"it has a comm hook \(Group\.comm\)"),
+                                  ("offload", ("0", "2", "4"), r"it offloads to the host \(CPUOffloadPolicy\)")):
             m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
             assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
         assert out["flat", "penalty"] is True, out
