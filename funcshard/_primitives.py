@@ -306,7 +306,7 @@ class _Token:
     ``metadata`` dicts, never a node, so no reference cycle runs through autograd's C++ nodes (which Python's cycle
     collector cannot see: a cycle there kept a MAML step, its groups gathered, alive for good)."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ()
 
 
 class _Paths:
@@ -430,8 +430,9 @@ _SERIES = ("a gather whose gradient is divided by the plan's factor or summed ov
            "set_gradient_divide_factor(1.0) on it), or gather that state with funcshard.gather (which sums)")
 _SERIES_COMPILED = ("here the state was made by a torch.compile'd graph, and a dividing gather (traced_apply's, "
                     "apply's) was compiled in this process: what that graph gathers cannot be seen, so it is refused "
-                    "as if it divides. Where the compiled graph holds no such gather, run it eagerly or make this "
-                    "state in an eager function")
+                    "as if it divides. Where the compiled graph holds no such gather, run it eagerly, make this "
+                    "state in an eager function, or under torch.no_grad() where it needs no gradient (a compiled "
+                    "optimizer step)")
 
 
 _COMPILED = {"divides": False}  # whether a dividing gather was traced by torch.compile in this process
