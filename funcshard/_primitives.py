@@ -28,7 +28,8 @@ from funcshard._collectives import (
     wait_work,
 )
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
-                              get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor, never_inlined)
+                              get_interpreter_stack, get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor,
+                              never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._spec import ShardSpec, from_split, unpad
@@ -438,12 +439,6 @@ _SERIES_COMPILED = ("here the state was made by a torch.compile'd graph, and a d
 _COMPILED = {"divides": False}  # whether a dividing gather was traced by torch.compile in this process
 
 
-def _compiled(node) -> bool:
-    """Whether ``node`` is a torch.compile'd graph's backward (AOTAutograd's ``CompiledFunction``), whose gathers a
-    walk cannot see."""
-    return type(node).__name__ == "CompiledFunctionBackward"
-
-
 def refuse_series(inputs, what: str) -> None:
     """``inputs``: the shards a gather that divides (or sums over replicas) is about to gather. Raise ``_SERIES``
     where one was made from the output of another dividing gather within this reverse level (``_toward_means``' walk,
@@ -459,7 +454,7 @@ def refuse_series(inputs, what: str) -> None:
     for n in _toward_means(inputs):
         if getattr(n, _DIVIDES, False):
             raise NotImplementedError(f"{what}: {_SERIES}")
-        if _COMPILED["divides"] and _compiled(n):
+        if _COMPILED["divides"] and is_compiled_backward(n):
             raise NotImplementedError(f"{what}: {_SERIES}; {_SERIES_COMPILED}")
 
 

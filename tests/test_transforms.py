@@ -641,8 +641,8 @@ def test_apply_create_graph_collectives_and_refusals():
     create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
     the same first-order values bit for bit.
     Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
-    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan is exact (its second
-    backward is first order through the gather)."""
+    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
+    is exact (its second backward is first order through the gather)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
