@@ -164,13 +164,13 @@ def mark_composable(module, api: str) -> None:
     module.__dict__.setdefault(_COMPOSABLE_KEY, collections.OrderedDict()).setdefault(api, _ComposableItem())
 
 
-# ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
 def is_compiled_backward(node) -> bool:
     """Whether the autograd ``node`` is a torch.compile'd graph's backward (AOTAutograd's ``CompiledFunction``'s node,
     by its class name, as torch 2.13 names it), whose inside a walk of the graph cannot see."""
     return type(node).__name__ == "CompiledFunctionBackward"
 
 
+# ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
 def never_inlined(fn, reason: str):
     """Mark ``fn`` as ``torch.compiler.disable`` marks it, without importing torch._dynamo: dynamo, tracing a call
     to it, breaks the graph there naming ``reason`` (the attributes torch 2.11 to 2.13 read) instead of inlining it."""

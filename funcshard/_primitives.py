@@ -439,6 +439,13 @@ _SERIES_COMPILED = ("here the state was made by a torch.compile'd graph, and a d
 _COMPILED = {"divides": False}  # whether a dividing gather was traced by torch.compile in this process
 
 
+@assume_constant_result  # (dynamo runs it once, at trace time: the mutation is no side effect of the graph, which a
+def _compiled_gather() -> bool:  # checkpoint HOP around the gather refuses under fullgraph=True)
+    """Note that torch.compile traced a dividing gather (``_COMPILED``)."""
+    _COMPILED["divides"] = True
+    return True
+
+
 def refuse_series(inputs, what: str) -> None:
     """``inputs``: the shards a gather that divides (or sums over replicas) is about to gather. Raise ``_SERIES``
     where one was made from the output of another dividing gather within this reverse level (``_toward_means``' walk,
@@ -447,7 +454,8 @@ def refuse_series(inputs, what: str) -> None:
     gathers cannot be seen: refused conservatively). Nothing where no input has a history (a first-order step's
     leaves). Under torch.compile: notes the traced dividing gather (``_COMPILED``) and walks nothing."""
     if torch.compiler.is_compiling():
-        _COMPILED["divides"] = _COMPILED["divides"] or bool(inputs)
+        if len(inputs):
+            _compiled_gather()
         return
     if not _with_history(inputs):
         return

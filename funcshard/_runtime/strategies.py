@@ -211,7 +211,7 @@ _GroupGatherEager = _old_style(_GroupGather)
 
 
 def _divides(ctx) -> bool:
-    """Whether an apply step's gather node divides its gradient or sums it over HSDP's replicas (read by
+    """Whether an apply or fully_shard step's gather node divides its gradient or sums it over HSDP's replicas (read by
     ``_primitives.refuse_series`` from a later gather's walk; not stored per forward: a class property)."""
     plan = getattr(ctx.step, "plan", None)  # (apply's and fully_shard's steps alike: both gathers divide)
     return plan is not None and any(divides(b) for b in buckets(plan) if b.group == ctx.name)
