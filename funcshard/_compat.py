@@ -164,6 +164,12 @@ def mark_composable(module, api: str) -> None:
     module.__dict__.setdefault(_COMPOSABLE_KEY, collections.OrderedDict()).setdefault(api, _ComposableItem())
 
 
+def is_compiled_backward(node) -> bool:
+    """Whether the autograd ``node`` is a torch.compile'd graph's backward (AOTAutograd's ``CompiledFunction``'s node,
+    by its class name, as torch 2.13 names it), whose inside a walk of the graph cannot see."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
 # ---- dynamo's marks, set without importing torch._dynamo (``import funcshard`` must not: issue 36's start-up) ------
 def never_inlined(fn, reason: str):
     """Mark ``fn`` as ``torch.compiler.disable`` marks it, without importing torch._dynamo: dynamo, tracing a call
@@ -306,6 +312,7 @@ __all__ = [
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
     "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "DisableFuncTorch",
+    "is_compiled_backward",
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks", "storage_key",

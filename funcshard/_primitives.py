@@ -28,7 +28,8 @@ from funcshard._collectives import (
     wait_work,
 )
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
-                              get_interpreter_stack, get_unwrapped, is_functorch_wrapped_tensor, never_inlined)
+                              get_interpreter_stack, get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor,
+                              never_inlined)
 from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._spec import ShardSpec, from_split, unpad
@@ -296,10 +297,23 @@ _NODE = "_funcshard_node"  # on a gather's backward node: "gather"; on a gradien
 _DIVIDES = "_funcshard_divides"  # on a gather's backward node: True where its backward divides or sums over replicas
 
 
+_WATCH = "_funcshard_watch"  # in a watched node's ``metadata``: its token (``_Paths``' key for it)
+_PATHS = "_funcshard_paths"  # in a watched ``_Mean`` node's ``metadata``: its ``_Paths``
+_HOW = "_funcshard_how"  # in a watched ``_Mean`` node's ``metadata``: (graph task, what it received)
+
+
+class _Token:
+    """A watched node's key in ``_Paths`` (kept in the node's ``metadata``): ``_Paths`` and the hooks hold tokens and
+    ``metadata`` dicts, never a node, so no reference cycle runs through autograd's C++ nodes (which Python's cycle
+    collector cannot see: a cycle there kept a MAML step, its groups gathered, alive for good)."""
+
+    __slots__ = ()
+
+
 class _Paths:
-    """The nodes between gathers and the ``_Mean``s their inputs depend on, and per backward pass (graph task) the
-    cotangents the gathers sent through them (``rec``), what each received (``how``: "gathers", "other", "mixed",
-    "batched") and those that a "mixed" one sent to (``mixed``)."""
+    """The tokens of the nodes between gathers and the ``_Mean``s their inputs depend on (``watched``), and per
+    backward pass (graph task) the cotangents the gathers sent through them (``rec``), what each received (``how``:
+    "gathers", "other", "mixed", "batched") and those that a "mixed" one sent to (``mixed``)."""
 
     def __init__(self):
         self.watched: set = set()
@@ -312,6 +326,11 @@ class _Paths:
         return self
 
 
+def _token(node) -> _Token:
+    """``node``'s token (made once, kept in its ``metadata``)."""
+    return node.metadata.setdefault(_WATCH, _Token())
+
+
 def _same(got: torch.Tensor, parts: list) -> bool:
     """Whether the cotangent ``got`` is exactly the sum of the recorded ``parts`` (autograd's order of accumulation)."""
     total = parts[0]
@@ -320,13 +339,14 @@ def _same(got: torch.Tensor, parts: list) -> bool:
     return got is not None and got.shape == total.shape and torch.equal(got, total)
 
 
-def _classify(paths: _Paths, node):
-    """A pre-hook of ``node``: what its received cotangents are (``_Paths.how``), for this backward pass."""
+def _classify(paths: _Paths, key: _Token, meta):
+    """A pre-hook of the node whose token is ``key`` (``meta``: its ``metadata`` where it is a ``_Mean``'s, else
+    None): what its received cotangents are (``_Paths.how``), for this backward pass."""
     def pre(grad_outputs):
         st = paths.state()
-        got = st.rec.pop(node, None)
+        got = st.rec.pop(key, None)
         how = "other" if got is None else "gathers"
-        if node in st.mixed:  # (from a node that received both)
+        if key in st.mixed:  # (from a node that received both)
             how = "mixed"
         elif got is not None and any(i.key() == TransformType.Vmap for i in get_interpreter_stack() or ()):
             how = "batched"  # (batched cotangents: not compared)
@@ -335,24 +355,29 @@ def _classify(paths: _Paths, node):
                 parts = got.get(nr)
                 if (parts is None and g is not None) or (parts is not None and not _same(g, parts)):
                     how = "mixed"
-        st.how[node] = how
-        if getattr(node, _NODE, None) == "mean":
-            node._funcshard_how = (st.task, how)
+        st.how[key] = how
+        if meta is not None:
+            meta[_HOW] = (st.task, how)
     return pre
 
 
 def _record(paths: _Paths, node, always: bool):
     """A hook of ``node``: record what it sends on to watched nodes where it received gathers' cotangents only
-    (``always``: a gather's own node)."""
+    (``always``: a gather's own node). The hook holds the token and the next nodes' ``metadata``, not the nodes."""
+    key = None if always else _token(node)
+    nexts = [None if nxt is None else (nxt.metadata, nr) for nxt, nr in node.next_functions]
+
     def post(grad_inputs, grad_outputs):
         st = paths.state()
-        how = "gathers" if always else st.how.get(node)
-        for (nxt, nr), g in zip(node.next_functions, grad_inputs):
-            if g is not None and nxt is not None and nxt in paths.watched:
-                if how == "gathers":
-                    st.rec.setdefault(nxt, {}).setdefault(nr, []).append(g)
-                elif how == "mixed":
-                    st.mixed.add(nxt)
+        how = "gathers" if always else st.how.get(key)
+        for nxt, g in zip(nexts, grad_inputs):
+            if g is None or nxt is None or nxt[0].get(_WATCH) not in paths.watched:
+                continue
+            k = nxt[0][_WATCH]
+            if how == "gathers":
+                st.rec.setdefault(k, {}).setdefault(nxt[1], []).append(g)
+            elif how == "mixed":
+                st.mixed.add(k)
     return post
 
 
@@ -399,19 +424,46 @@ def depends_on_gradient(tensors) -> bool:
 
 _SERIES = ("a gather whose gradient is divided by the plan's factor or summed over HSDP's replicas (traced_apply's, "
            "apply's) got a state made from the output of another such gather (the parameters or the module output of "
-           "another traced_apply/apply call, through the caller's ops and collectives) within one reverse level: the "
-           "gradient would be divided at each of the two gathers (off by the divide factor, silently). Plan one of the "
-           "two calls with grad_divide_factor=1.0 and a mesh without a replicate axis (its gradients are then sums "
-           "over ranks), or gather that state with funcshard.gather (which sums)")
+           "another traced_apply/apply call or of a funcshard.fully_shard module, through the caller's ops and "
+           "collectives) within one reverse level: the gradient would be divided at each of the two gathers (off by "
+           "the divide factor, silently). Plan one of the two calls with grad_divide_factor=1.0 and a mesh without a "
+           "replicate axis (its gradients are then sums over ranks; a fully_shard module: "
+           "set_gradient_divide_factor(1.0) on it), or gather that state with funcshard.gather (which sums)")
+_SERIES_COMPILED = ("here the state was made by a torch.compile'd graph, and a dividing gather (traced_apply's, "
+                    "apply's) was compiled in this process: what that graph gathers cannot be seen, so it is refused "
+                    "as if it divides. Where the compiled graph holds no such gather, run it eagerly, make this "
+                    "state in an eager function, or under torch.no_grad() where it needs no gradient (a compiled "
+                    "optimizer step)")
+
+
+_COMPILED = {"divides": False}  # whether a dividing gather was traced by torch.compile in this process
+
+
+@assume_constant_result  # (dynamo runs it once, at trace time: the mutation is no side effect of the graph, which a
+def _compiled_gather() -> bool:  # checkpoint HOP around the gather refuses under fullgraph=True)
+    """Note that torch.compile traced a dividing gather (``_COMPILED``)."""
+    _COMPILED["divides"] = True
+    return True
 
 
 def refuse_series(inputs, what: str) -> None:
     """``inputs``: the shards a gather that divides (or sums over replicas) is about to gather. Raise ``_SERIES``
     where one was made from the output of another dividing gather within this reverse level (``_toward_means``' walk,
-    which stops at gradients' ``_Mean``s: the next reverse level's state, MAML's, is not this case). Nothing where no
-    input has a history (a first-order step's leaves)."""
-    if _with_history(inputs) and any(getattr(n, _DIVIDES, False) for n in _toward_means(inputs)):
-        raise NotImplementedError(f"{what}: {_SERIES}")
+    which stops at gradients' ``_Mean``s: the next reverse level's state, MAML's, is not this case), or from a
+    torch.compile'd graph's output once a dividing gather was traced under torch.compile in this process (its
+    gathers cannot be seen: refused conservatively). Nothing where no input has a history (a first-order step's
+    leaves). Under torch.compile: notes the traced dividing gather (``_COMPILED``) and walks nothing."""
+    if torch.compiler.is_compiling():
+        if len(inputs):
+            _compiled_gather()
+        return
+    if not _with_history(inputs):
+        return
+    for n in _toward_means(inputs):
+        if getattr(n, _DIVIDES, False):
+            raise NotImplementedError(f"{what}: {_SERIES}")
+        if _COMPILED["divides"] and is_compiled_backward(n):
+            raise NotImplementedError(f"{what}: {_SERIES}; {_SERIES_COMPILED}")
 
 
 def _with_history(inputs) -> bool:
@@ -437,18 +489,19 @@ def watch_means(inputs, out: torch.Tensor) -> None:
     if TransformType.Vmap in keys and TransformType.Grad in keys[keys.index(TransformType.Vmap):]:
         for m in means:  # (a grad inside vmap: its backward runs on batched cotangents, not compared: refused)
             m._funcshard_batched = True
-    paths = next((p for p in (getattr(m, "_funcshard_paths", None) for m in means) if p is not None), None) or _Paths()
+    paths = next((p for p in (m.metadata.get(_PATHS) for m in means) if p is not None), None) or _Paths()
     for m in means:
-        other = getattr(m, "_funcshard_paths", None)
+        other = m.metadata.get(_PATHS)
         if other is not None and other is not paths:  # (two gathers' walks met: one record for both)
             paths.watched |= other.watched
             other.__dict__ = paths.__dict__
-        m._funcshard_paths = paths
-    new = [n for n, v in leads.items() if v and n not in paths.watched]
-    paths.watched.update(new)
+        m.metadata[_PATHS] = paths
+    new = [n for n, v in leads.items() if v and _token(n) not in paths.watched]
+    paths.watched.update(_token(n) for n in new)
     for n in new:
-        n.register_prehook(_classify(paths, n))
-        if getattr(n, _NODE, None) != "mean":
+        mean_node = getattr(n, _NODE, None) == "mean"
+        n.register_prehook(_classify(paths, _token(n), n.metadata if mean_node else None))
+        if not mean_node:
             n.register_hook(_record(paths, n, False))
     for node in _grad_fns((out,)):
         node.register_hook(_record(paths, node, True))
@@ -519,13 +572,13 @@ class _Mean(torch.autograd.Function):
     @staticmethod
     @untraced
     def backward(ctx, c):
-        mark = getattr(ctx, "_funcshard_how", None)
+        mark, paths = ctx.metadata.get(_HOW), ctx.metadata.get(_PATHS)
         how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
         if getattr(ctx, "_funcshard_batched", False):
             how = "batched"
-        elif how == "other" and getattr(ctx, "_funcshard_paths", None) is not None:
+        elif how == "other" and paths is not None:
             how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
-        if how in ("gathers", "mixed") and getattr(ctx, "_funcshard_paths", None) is not None:
+        if how in ("gathers", "mixed") and paths is not None:
             how = _agreed(how, ctx, c)
         if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
             raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")

@@ -592,6 +592,8 @@ def _apply_create_graph():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     import funcshard
     from funcshard._traced import buckets
 
@@ -606,7 +608,9 @@ def _apply_create_graph():
     plans = {"per_block": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)),
              "flat": funcshard.plan(m, mesh, groups=(torch.nn.Linear,), layout="flat"),
              "comm": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)).with_group(
-                 "2", comm=funcshard.bf16_reduce_scatter())}
+                 "2", comm=funcshard.bf16_reduce_scatter()),
+             "offload": funcshard.plan(m, mesh, groups=(torch.nn.Linear,),
+                                       offload_policy=CPUOffloadPolicy(pin_memory=False))}
     for name, plan in plans.items():
         leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
         loss = lambda: funcshard.apply(plan, leaves, x).pow(2).sum()  # noqa: E731
@@ -636,18 +640,19 @@ def test_apply_create_graph_collectives_and_refusals():
     issues the runtime's collectives (3 all-gathers in forward, 3 again in backward, 3 reduce-scatters), a
     create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
     the same first-order values bit for bit.
-    Still refused when differentiated again, naming the group and the case: a layout="flat" plan and a group with a
-    comm hook (its reduce-scatter would be bypassed); the WGAN-GP penalty on the flat plan is exact (its second
-    backward is first order through the gather)."""
+    Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
+    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
+    is exact (its second backward is first order through the gather)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
         counts, n = out["per_block", "counts"]
         assert n == 3 and counts["plain"] == counts["create_graph"] == ["ag"] * 6 + ["rs"] * 3, out
-        assert all(out[p, "same"] for p in ("per_block", "flat", "comm")), out
+        assert all(out[p, "same"] for p in ("per_block", "flat", "comm", "offload")), out
         assert out["per_block", "again"] == "no error", out
         for name, groups, why in (("flat", ("0", "2", "4"), r"layout='flat'"),
-                                  ("comm", ("2",), r"it has a comm hook \(Group\.comm\)")):
+                                  ("comm", ("2",), r"it has a comm hook \(Group\.comm\)"),
+                                  ("offload", ("0", "2", "4"), r"it offloads to the host \(CPUOffloadPolicy\)")):
             m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
             assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
         assert out["flat", "penalty"] is True, out
@@ -1334,6 +1339,19 @@ def _series():
                 return functional_call(target, {"weight": torch.cat([h, h])[:3]}, (x,)).pow(2).sum()
             want = funcshard.shard(p1, grad(ref)(full))
             out[a, b, "factor 1"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    for factor in (None, 1.0):  # a fully_shard module's output as apply's state (its gather divides too)
+        fs = torch.nn.Linear(4, 4)
+        fs.load_state_dict(hyper.state_dict())
+        funcshard.fully_shard(fs, mesh=mesh)
+        if factor is not None:
+            fs.set_gradient_divide_factor(factor)
+        try:
+            funcshard.apply(p2, {"weight": fs(z).reshape(2, 2)}, x).pow(2).sum().backward()
+            want = grad(ref)(full)
+            out["fully_shard", "apply", factor] = max((v.grad.full_tensor() - want[k]).abs().max().item()
+                                                      for k, v in fs.named_parameters())
+        except NotImplementedError as e:
+            out["fully_shard", "apply", factor] = str(e)
     return out
 
 
@@ -1341,11 +1359,59 @@ def test_two_dividing_gathers_in_series_are_refused():
     """The output of one traced_apply/apply call feeding the state of another (W=2, both plans dividing): the
     gradient would be divided at each gather (off by W, silently, before); refused on every pair of paths under
     plain autograd and torch.func, naming grad_divide_factor=1.0; with the second plan's factor 1 the gradient is
-    the unsharded reference's (1e-6)."""
+    the unsharded reference's (1e-6). A funcshard.fully_shard module's output as apply's state likewise (before: not
+    refused, 0.5x at W=2), exact with the module's set_gradient_divide_factor(1.0)."""
     for out in run_ranks(2, _series):
+        assert out.pop(("fully_shard", "apply", 1.0)) < 1e-6, out  # (set_gradient_divide_factor(1.0): sums)
+        assert "a funcshard.fully_shard module" in out[("fully_shard", "apply", None)], out
         for key, got in out.items():
             if key[2] == "factor 1":
                 assert got < 1e-6, (key, got)
             else:
                 assert re.search(r"got a state made from the output of another such gather .* divided at each of the "
                                  r"two gathers .*grad_divide_factor=1\.0", got), (key, got)
+
+
+def _series_compiled():
+    """A torch.compile'd traced_apply's output as apply's state (a hypernetwork): the compiled graph's gathers cannot
+    be seen by the walk, so once a dividing gather was compiled in the process the state made by a compiled graph is
+    refused; a compiled graph feeding apply's state before any was (no funcshard gather in it) still runs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from funcshard import _primitives
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    hyper, target = torch.nn.Linear(4, 4), torch.nn.Linear(2, 3, bias=False)
+    p1, p2 = funcshard.plan(hyper, mesh), funcshard.plan(target, mesh)
+    s1 = {k: v.requires_grad_() for k, v in funcshard.shard(p1).items()}
+    z, x = torch.randn(1, 4), torch.randn(5, 2)
+    out = {}
+    saved = _primitives._COMPILED["divides"]
+    try:
+        _primitives._COMPILED["divides"] = False  # (as in a process that compiled no dividing gather)
+        plain = torch.compile(lambda w: (w * 2.0).reshape(2, 2))
+        w = torch.randn(4, requires_grad=True)
+        funcshard.apply(p2, {"weight": plain(w)}, x).pow(2).sum().backward()
+        out["compiled, no gather"] = "no error"
+        comp = torch.compile(lambda s: funcshard.traced_apply(p1, s, z))
+        try:
+            funcshard.apply(p2, {"weight": comp(s1).reshape(2, 2)}, x).pow(2).sum().backward()
+            out["compiled traced_apply"] = "no error"
+        except NotImplementedError as e:
+            out["compiled traced_apply"] = str(e)
+    finally:
+        _primitives._COMPILED["divides"] = saved
+    return out
+
+
+@pytest.mark.slow  # (two torch.compile calls per rank: ~15 s)
+def test_a_compiled_dividing_gather_in_series_is_refused():
+    """The walk of apply's state passes through a torch.compile'd graph's backward node unseen: a compiled
+    traced_apply feeding apply's state had its gradient divided twice (0.5x at W=2, silently, before)."""
+    for out in run_ranks(2, _series_compiled):
+        assert out["compiled, no gather"] == "no error", out
+        assert re.search(r"divided at each of the two gathers .* made by a torch\.compile'd graph, and a dividing "
+                         r"gather .* was compiled in this process", out["compiled traced_apply"]), out

@@ -28,7 +28,7 @@ from funcshard._runtime.binding import Slots
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part, failing
-from funcshard._runtime.strategies import FusedState, NodeState, create_graph_backward, take_grads_hook
+from funcshard._runtime.strategies import FusedState, NodeState, graph_backward, take_grads_hook
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -231,8 +231,7 @@ class GroupRun(Part):
         backward, swap it in for a recomputation."""
         step, gb, name = self.step, self.buffers, self.name
         step.pre_backward_ran.add(name)
-        if step.sink is None and create_graph_backward():  # (apply: keep what that backward's graph reads)
-            step.second_order = True
+        graph_backward(step)  # (apply, create_graph=True: keep what that backward's graph reads)
         self.gather_and_prefetch(backward=True)
         if ((self.slots.views is None or not self.node.views_grad) and gb.trainable
                 and not step.fused_on and gb.status is Status.GATHERED and step.nodes.saved_views(name) is None):

@@ -211,11 +211,10 @@ _GroupGatherEager = _old_style(_GroupGather)
 
 
 def _divides(ctx) -> bool:
-    """Whether an apply step's gather node divides its gradient or sums it over HSDP's replicas (read by
+    """Whether an apply or fully_shard step's gather node divides its gradient or sums it over HSDP's replicas (read by
     ``_primitives.refuse_series`` from a later gather's walk; not stored per forward: a class property)."""
-    step = ctx.step
-    return getattr(step, "api", None) == "funcshard.apply" and any(
-        divides(b) for b in buckets(step.plan) if b.group == ctx.name)
+    plan = getattr(ctx.step, "plan", None)  # (apply's and fully_shard's steps alike: both gathers divide)
+    return plan is not None and any(divides(b) for b in buckets(plan) if b.group == ctx.name)
 
 
 def _plan_divides(plan) -> bool:
@@ -666,17 +665,22 @@ def _refusal(step, name: str) -> str:
     return _SECOND_ORDER if why is None else _NOT_DIFFERENTIABLE.format(group=label(name), why=why)
 
 
-def second_order(step, name: str) -> bool:
-    """Whether group ``name``'s gather node runs in a ``create_graph=True`` backward of apply's runtime that can make
-    its gradients differentiable (``second_order_grads``); then the step keeps its groups gathered
-    (``Step.second_order``).
-    Decided by the backward's grad mode, not by the cotangents, so that every rank takes the same collectives."""
-    if not create_graph_backward() or getattr(step, "api", None) != "funcshard.apply":  # (not fully_shard's, nor
-        return False  # the cost model's stand-in step)
-    if not_differentiable(step, name) is not None:
+def graph_backward(step) -> bool:
+    """Whether the running backward is a ``create_graph=True`` one of apply's runtime (not fully_shard's, nor the cost
+    model's stand-in step's); then the graph it makes reads the unsharded parameters again when it is
+    differentiated, and the step keeps its groups gathered from then on (``Step.second_order``: set here only;
+    read by ``GroupRun.free_after_backward``). Called by each group's pre-backward and gather node."""
+    if getattr(step, "api", None) != "funcshard.apply" or not create_graph_backward():
         return False
     step.second_order = True
     return True
+
+
+def second_order(step, name: str) -> bool:
+    """Whether group ``name``'s gather node runs in a ``create_graph=True`` backward of apply's runtime that can make
+    its gradients differentiable (``second_order_grads``; ``graph_backward``).
+    Decided by the backward's grad mode, not by the cotangents, so that every rank takes the same collectives."""
+    return graph_backward(step) and not_differentiable(step, name) is None
 
 
 def second_order_grads(step, name: str, grads: list) -> list:
