@@ -717,18 +717,12 @@ def test_a_wait_never_holds_the_gil_on_the_works_lock():
         wait_work(work, Where(kind, "blocks.0", "backward", bound))
         assert work.waited == waited, kind
 
-    class Done(_Work):  # (a work whose future says it completed: waited for without a bound)
-        def get_future(self):
-            fut = torch.futures.Future()
-            fut.set_result(None)
-            return fut
-
     class Wrapping(_Work):  # (FutureWrappingWork, torch's threaded test group: no finite-timeout wait)
         def wait(self, timeout=None):
             if timeout is not None:
                 raise RuntimeError("FutureWrappingWork::wait() with finite timeout not implemented")
             return super().wait(timeout)
 
-    for work, waited in [(Done(), [None]), (Wrapping(), [None])]:  # (the latter's in the _Waiter thread)
+    for work, waited in [(Wrapping(), [None])]:  # (in the _Waiter thread)
         wait_work(work, Where("all-gather", "blocks.0", "forward", bound))
         assert work.waited == waited, type(work).__name__
