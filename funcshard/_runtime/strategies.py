@@ -210,16 +210,21 @@ def _old_style(fn: type[torch.autograd.Function]) -> type[torch.autograd.Functio
 _GroupGatherEager = _old_style(_GroupGather)
 
 
+def _dividing_groups(plan) -> frozenset:
+    """The groups of ``plan`` whose gather divides its gradient or sums it over HSDP's replicas (made once per plan)."""
+    return plan.derived("dividing_groups", lambda p: frozenset(b.group for b in buckets(p) if divides(b)))
+
+
 def _divides(ctx) -> bool:
     """Whether an apply or fully_shard step's gather node divides its gradient or sums it over HSDP's replicas (read by
     ``_primitives.refuse_series`` from a later gather's walk; not stored per forward: a class property)."""
     plan = getattr(ctx.step, "plan", None)  # (apply's and fully_shard's steps alike: both gathers divide)
-    return plan is not None and any(divides(b) for b in buckets(plan) if b.group == ctx.name)
+    return plan is not None and ctx.name in _dividing_groups(plan)
 
 
 def _plan_divides(plan) -> bool:
     """Whether some group of ``plan`` divides its gradient or sums it over replicas (a whole-step gather's node)."""
-    return plan.derived("divides", lambda p: any(divides(b) for b in buckets(p)))
+    return bool(_dividing_groups(plan))
 
 
 def _mark_gathers() -> None:
