@@ -327,7 +327,7 @@ def _inner_activation_backward() -> dict:
         del out
         return stash.pop().square().mean()
 
-    ref = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
+    ref = ref_inner = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
     out = {}
     for reshard in (True, 1):
         plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
@@ -372,6 +372,7 @@ def _inner_activation_backward() -> dict:
     except RuntimeError as e:
         out["saved view read outside backward"] = "'blocks.1' is a view of the group's unsharded" in str(e)
     del kept
+    _saved_view_reads(out, model, mesh, stash, x, full, ref_inner, (True, False))  # (int: _int_reshard_reads)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x, v = torch.randn(5, 3), torch.randn(5, 3)
     p = {k: t.detach() for k, t in m.named_parameters()}
@@ -392,6 +393,58 @@ def _inner_activation_backward() -> dict:
     return out
 
 
+def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: dict, modes: tuple) -> None:
+    """Autograd's saved view of group 'blocks.1''s weight read outside backward (``grad_fn._saved_mat2``) with
+    ``reshard_after_forward`` in ``modes``, before backward and after a backward that keeps the graph
+    (``retain_graph=True``): an error naming the group and why where the group is freed (it read freed memory: a
+    SIGSEGV after backward, and before it with an int reshard); a group kept gathered reads its parameter. Then a
+    second backward through the retained graph, from the activation alone, gathers the group again (it raised
+    "setStorage ... out of bounds" with reshard_after_forward False or an int): twice the gradients (``ref``)."""
+    import funcshard
+    from models import Block
+
+    for reshard in modes:
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        funcshard.apply(plan, state, x)
+        act = stash.pop()
+        for when in ("before", "after"):
+            if when == "after":
+                act.square().mean().backward(retain_graph=True)
+            try:
+                read = act.grad_fn._saved_mat2
+                out[f"saved view {reshard} {when} backward"] = reshard is False and when == "before" and torch.equal(
+                    read, full["blocks.1.l1.weight"].t())
+            except RuntimeError as e:
+                why = "after the group's forward" if when == "before" else "after the step's backward"
+                freed = reshard is not False or when == "after"
+                out[f"saved view {reshard} {when} backward"] = freed and "group 'blocks.1' is a" in str(e) and why in str(e)
+        act.square().mean().backward()
+        want = funcshard.shard(plan, ref)
+        out[f"retained graph's second backward {reshard}"] = all(torch.equal(state[k].grad, 2 * want[k]) for k in want)
+    stash.clear()
+
+
+def _int_reshard_reads() -> dict:
+    """``_saved_view_reads`` with an int ``reshard_after_forward`` (2 at W=4: kept sharded over 2 ranks after
+    forward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    stash = []
+    model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+    x = torch.randn(4, 7)
+    full = {k: v.detach() for k, v in model.named_parameters()}
+    ref = torch.func.grad(lambda p: (torch.func.functional_call(model, p, (x,)), stash.pop().square().mean())[1])(full)
+    out = {}
+    _saved_view_reads(out, model, init_device_mesh("cpu", (dist.get_world_size(),)), stash, x, full, ref, (2,))
+    return out
+
+
 def test_grad_of_an_inner_activation_only():
     from multirank import run_ranks
 
@@ -399,6 +452,8 @@ def test_grad_of_an_inner_activation_only():
         assert all(out.values()), out
     for out in run_ranks(2, _inner_activation_backward):
         assert all(out.values()), out
+    for out in run_ranks(4, _int_reshard_reads):
+        assert len(out) == 3 and all(out.values()), out
 
 
 # ---- buffers stay the module's own -------------------------------------------------------------------------------

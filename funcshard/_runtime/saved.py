@@ -145,9 +145,8 @@ class SavedViews:
         step = self._step()
         if self.hooks is not None or top_saved_tensors_default_hooks is None or not hooks_allowed():
             return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
-        if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
-                   for gb in step.groups.values()):
-            return  # nothing is freed after forward: nothing to gather again
+        if not any(gb.shards for gb in step.groups.values()):
+            return  # no group's storage is ever freed: nothing to gather again
         top = top_saved_tensors_default_hooks(False)
         if checkpoint_saved_hooks(top):
             # apply inside torch.utils.checkpoint: it saves no tensor of this forward (it recomputes them in backward)
@@ -178,12 +177,19 @@ _NESTED = object()
 
 
 def _ensure_gathered(step: Step, name: str) -> None:
-    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first."""
+    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first (in a backward:
+    a retained graph's second backward too); outside backward (``grad_fn._saved_*``) a freed group raises."""
     if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
+        if step.done:
+            when = ("freed after the step's backward (reshard_after_backward); run the backward once and read "
+                    "what you need before it")
+        else:
+            when = "freed after the group's forward (reshard_after_forward); read it inside backward"
         raise RuntimeError(
             f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's "
-            f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
-            f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
+            f"unsharded parameters, {when} (reading it now would read freed memory). Or keep "
+            f"`.detach().clone()` of it inside the forward, or read the parameters by funcshard.gather(plan, state) "
+            f"({step.api})")
     regather(step, name)
 
 
