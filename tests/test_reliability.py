@@ -373,6 +373,7 @@ def _inner_activation_backward() -> dict:
         out["saved view read outside backward"] = "'blocks.1' is a view of the group's unsharded" in str(e)
     del kept
     _saved_view_reads(out, model, mesh, stash, x, full, ref_inner, (True, False))  # (int: _int_reshard_reads)
+    _saved_view_reads(out, None, mesh, stash, x, full, ref_inner, (True, False), fully_shard=True)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x, v = torch.randn(5, 3), torch.randn(5, 3)
     p = {k: t.detach() for k, t in m.named_parameters()}
@@ -393,35 +394,63 @@ def _inner_activation_backward() -> dict:
     return out
 
 
-def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: dict, modes: tuple) -> None:
+def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: dict, modes: tuple,
+                      fully_shard: bool = False) -> None:
     """Autograd's saved view of group 'blocks.1''s weight read outside backward (``grad_fn._saved_mat2``) with
     ``reshard_after_forward`` in ``modes``, before backward and after a backward that keeps the graph
-    (``retain_graph=True``): an error naming the group and why where the group is freed (it read freed memory: a
-    SIGSEGV after backward, and before it with an int reshard); a group kept gathered reads its parameter. Then a
-    second backward through the retained graph, from the activation alone, gathers the group again (it raised
-    "setStorage ... out of bounds" with reshard_after_forward False or an int): twice the gradients (``ref``)."""
+    (``retain_graph=True``), then a second backward through the retained graph from the activation alone. It read
+    freed memory (a SIGSEGV at W=1; garbage or "setStorage ... out of bounds" at W=2, 4) wherever the group was
+    freed: now apply's saved-tensor hooks (a group freed after forward) raise funcshard's error naming the group
+    and why, and gather the group again for the second backward (twice the gradients, ``ref``); elsewhere
+    (``reshard_after_forward=False`` after backward, every ``fully_shard`` read of a freed group) autograd refuses
+    the read (GroupBuffers.mark_freed: its "modified inplace" error). A group kept gathered reads its parameter."""
     import funcshard
-    from models import Block
+    from models import MLP, Block
+
+    def outcome(fn) -> str:
+        try:
+            got = fn()
+        except RuntimeError as e:
+            if "'blocks.1' is a view" in str(e):
+                return "freed after forward" if "after the group's forward" in str(e) else (
+                    "freed after backward" if "after the step's backward" in str(e) else str(e))
+            return "autograd refused" if "inplace" in str(e) else str(e)
+        return got
 
     for reshard in modes:
-        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
-        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
-        funcshard.apply(plan, state, x)
+        key = f"{'fully_shard' if fully_shard else 'apply'} {reshard}"
+        if fully_shard:  # (a model of the same weights, seed 0, per mode)
+            torch.manual_seed(0)
+            model = MLP(layers=2)
+            model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+            for b in model.blocks:
+                funcshard.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+            funcshard.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            y = model(x)  # (its backward from the output: from the activation alone it needs apply's hooks)
+        else:
+            plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+            state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+            y = funcshard.apply(plan, state, x)
         act = stash.pop()
-        for when in ("before", "after"):
-            if when == "after":
-                act.square().mean().backward(retain_graph=True)
-            try:
-                read = act.grad_fn._saved_mat2
-                out[f"saved view {reshard} {when} backward"] = reshard is False and when == "before" and torch.equal(
-                    read, full["blocks.1.l1.weight"].t())
-            except RuntimeError as e:
-                why = "after the group's forward" if when == "before" else "after the step's backward"
-                freed = reshard is not False or when == "after"
-                out[f"saved view {reshard} {when} backward"] = freed and "group 'blocks.1' is a" in str(e) and why in str(e)
-        act.square().mean().backward()
-        want = funcshard.shard(plan, ref)
-        out[f"retained graph's second backward {reshard}"] = all(torch.equal(state[k].grad, 2 * want[k]) for k in want)
+        hooked = not fully_shard and reshard is not False  # (apply pushes its hooks where a group is freed
+        # after forward)
+
+        def read():
+            return "value" if torch.equal(act.grad_fn._saved_mat2, full["blocks.1.l1.weight"].t()) else "wrong"
+
+        out[f"{key} read before backward"] = outcome(read) == (
+            "value" if reshard is False else "freed after forward" if hooked else "autograd refused")
+        (y if fully_shard else act).square().mean().backward(retain_graph=True)
+        out[f"{key} read after backward"] = outcome(read) == ("freed after backward" if hooked else "autograd refused")
+        if fully_shard:
+            continue
+
+        def again():
+            act.square().mean().backward()
+            want = funcshard.shard(plan, ref)
+            return "twice" if all(torch.equal(state[k].grad, 2 * want[k]) for k in want) else "wrong"
+
+        out[f"{key} second backward"] = outcome(again) == ("twice" if hooked else "autograd refused")
     stash.clear()
 
 
