@@ -474,6 +474,79 @@ def _int_reshard_reads() -> dict:
     return out
 
 
+def _threads_own_hooks() -> dict:
+    """Two threads, each running apply's forward and backward under its own
+    ``torch.autograd.graph.saved_tensors_hooks`` (torch keeps a hook stack per thread; apply binds the caller's hooks
+    into its own pack hook, functools.partial), both forwards in flight at once (a barrier in a block's forward, after
+    both pushed their hooks): each thread's pack hook runs only in its own thread, as often as in a one-thread run,
+    its unpack hook gets only what it packed, and the gradients equal the one-thread run's bit for bit. (With the
+    caller's hooks in a module global, as before 9d4a77c, one thread's tensors went to the other's hooks.)"""
+    import threading
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP, Block
+
+    mesh = init_device_mesh("cpu", (1,))
+    xs = [torch.randn(4, 7, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    barrier = threading.Barrier(2, timeout=60)
+    packed, foreign, grads, errors = [[], []], [[], []], [None, None], []
+
+    def build(threaded: bool) -> tuple:
+        torch.manual_seed(0)  # (in this thread: torch's generator is the process's)
+        model = MLP(layers=2)
+        if threaded:
+            model.blocks[0].register_forward_hook(lambda *_: [barrier.wait()] and None)  # (None: the output stays)
+        plan = funcshard.plan(model, mesh, groups=(Block,))
+        return plan, {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+
+    def run(i: int, plan, state: dict, threaded: bool) -> None:
+        me = threading.get_ident()
+
+        def pack(t):
+            packed[i].append(threading.get_ident() == me)
+            return i, t
+
+        def unpack(p):
+            foreign[i].append(p[0] != i)
+            return p[1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = funcshard.apply(plan, state, xs[i])
+            if threaded:
+                barrier.wait()  # (both forwards done before either backward)
+            y.square().mean().backward()
+        grads[i] = {k: v.grad for k, v in state.items()}
+
+    for i in range(2):
+        run(i, *build(False), False)
+    alone, counts = grads[:], [len(p) for p in packed]
+    packed, foreign, grads = [[], []], [[], []], [None, None]
+
+    built = [build(True) for _ in range(2)]
+
+    def body(i: int) -> None:
+        try:
+            run(i, *built[i], True)
+        except BaseException as e:  # (reported below, the other thread let go)
+            errors.append(f"{type(e).__name__}: {e}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = {"errors": errors}
+    for i in range(2):
+        out[f"thread {i} packed its own only"] = len(packed[i]) == counts[i] > 0 and all(packed[i])
+        out[f"thread {i} unpacked its own only"] = bool(foreign[i]) and not any(foreign[i])
+        out[f"thread {i} gradients"] = grads[i] is not None and all(torch.equal(grads[i][k], alone[i][k])
+                                                                    for k in alone[i])
+    return out
+
+
 def test_grad_of_an_inner_activation_only():
     from multirank import run_ranks
 
@@ -483,6 +556,13 @@ def test_grad_of_an_inner_activation_only():
         assert all(out.values()), out
     for out in run_ranks(4, _int_reshard_reads):
         assert len(out) == 3 and all(out.values()), out
+
+
+def test_saved_tensor_hooks_of_two_threads():
+    from multirank import run_ranks
+
+    (out,) = run_ranks(1, _threads_own_hooks)
+    assert out.pop("errors") == [] and len(out) == 6 and all(out.values()), out
 
 
 # ---- buffers stay the module's own -------------------------------------------------------------------------------
