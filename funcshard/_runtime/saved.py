@@ -4,12 +4,14 @@ A group freed after forward is gathered again by the pre-backward hook on its ou
 group's operations without passing through those outputs never fires it: a loss taken only from an activation inside
 the group, or a forward run under ``torch.func.jvp`` and differentiated by ``.backward()`` (the hook sits on the
 transform's wrapper, not on the tensor the backward runs through). Autograd would then read a view of the freed
-storage ("setStorage ... out of bounds for storage of size 0"; FSDP2 fails the same way). So, while a step's forward
-runs (``apply``'s, not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its
-forward), saved-tensor hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
+storage (FSDP2: "setStorage ... out of bounds for storage of size 0"; funcshard: autograd's "modified inplace"
+error, ``GroupBuffers.mark_freed``). So, while a step's forward runs (``apply``'s, where a group is freed after forward;
+not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its forward), saved-tensor
+hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
 and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
 when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
-collectives are unchanged). The caller's own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
+collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group. The caller's
+own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
 non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
 Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there a loss of an inner activation alone fails
