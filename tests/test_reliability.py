@@ -352,6 +352,11 @@ def _inner_activation_backward() -> dict:
     state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
     with torch.autograd.graph.disable_saved_tensors_hooks("the caller's hooks are off"):
         y = funcshard.apply(plan, state, x)
+    try:  # (a saved view of group 'blocks.1', freed after forward, without apply's hooks: autograd refuses it)
+        stash[-1].grad_fn._saved_mat2
+        out["hooks disabled: saved view read refused"] = False
+    except RuntimeError as e:
+        out["hooks disabled: saved view read refused"] = "inplace" in str(e)
     y.square().mean().backward()
     want = funcshard.shard(plan, ref)
     out["apply with saved-tensor hooks disabled"] = all(torch.equal(state[k].grad, want[k]) for k in want)

@@ -184,7 +184,7 @@ class GroupBuffers:
             self.versions.__exit__(None, None, None)
             self.versions = None
         if self.pending is not None and self.pending.in_place:
-            self.bases = self.copy_to = None
+            self.bases = self.copy_to = self.freed_versions = None  # (versions left moved on: not refilled)
         elif self.bases is not None:
             self.mark_freed()
             free_buffers(self.storages())  # (per-parameter layout: the collective writes into its own buffers)

@@ -186,15 +186,15 @@ def _ensure_gathered(step: Step, name: str) -> None:
     a retained graph's second backward too); outside backward (``grad_fn._saved_*``) a freed group raises."""
     if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
         if step.done:
-            when = ("freed after the step's backward (reshard_after_backward); run the backward once and read "
-                    "what you need before it")
+            when = ("freed after the step's backward: read it before or inside the backward, or keep the group "
+                    "gathered (reshard_after_backward=False for it)")
         else:
-            when = "freed after the group's forward (reshard_after_forward); read it inside backward"
+            when = ("freed after the group's forward: read it inside backward, or keep the group gathered "
+                    "(reshard_after_forward=False for it)")
         raise RuntimeError(
             f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's "
-            f"unsharded parameters, {when} (reading it now would read freed memory). Or keep "
-            f"`.detach().clone()` of it inside the forward, or read the parameters by funcshard.gather(plan, state) "
-            f"({step.api})")
+            f"unsharded parameters, {when}; or keep `.detach().clone()` of it inside the forward, or read the "
+            f"parameters by funcshard.gather(plan, state) (reading it now would read freed memory) ({step.api})")
     regather(step, name)
 
 
