@@ -403,12 +403,13 @@ def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: d
                       fully_shard: bool = False) -> None:
     """Autograd's saved view of group 'blocks.1''s weight read outside backward (``grad_fn._saved_mat2``) with
     ``reshard_after_forward`` in ``modes``, before backward and after a backward that keeps the graph
-    (``retain_graph=True``), then a second backward through the retained graph from the activation alone. It read
-    freed memory (a SIGSEGV at W=1; garbage or "setStorage ... out of bounds" at W=2, 4) wherever the group was
-    freed: now apply's saved-tensor hooks (a group freed after forward) raise funcshard's error naming the group
-    and why, and gather the group again for the second backward (twice the gradients, ``ref``); elsewhere
-    (``reshard_after_forward=False`` after backward, every ``fully_shard`` read of a freed group) autograd refuses
-    the read (GroupBuffers.mark_freed: its "modified inplace" error). A group kept gathered reads its parameter."""
+    (``retain_graph=True``), then a second backward through the retained graph from the activation alone. Where
+    apply runs its saved-tensor hooks (a group freed after forward: True, an int) they raise funcshard's error naming
+    the group and whether it was freed after its forward or after the step's backward (it named neither), and gather
+    the group again for the second backward (twice the gradients, ``ref``); elsewhere autograd refuses the read
+    (GroupBuffers.mark_freed: its "modified inplace" error), where it read freed memory (SIGSEGV at W=1 and W=2:
+    ``reshard_after_forward=False`` after backward, every ``fully_shard`` read of a freed group) or raised
+    "setStorage ... out of bounds" (False's second backward). A group kept gathered reads its parameter."""
     import funcshard
     from models import MLP, Block
 
