@@ -306,6 +306,14 @@ class FSApply:
         self.state = optim.apply_updates(self.state, updates, **kw)
 
 
+class FSApplyKept(FSApply):
+    """``fs_apply`` with ``reshard_after_forward=False`` (bisect_cpu's: the saved-tensor hooks' cost where no group
+    is freed after forward)."""
+
+    name = "fs_apply_kept"
+    plan_kwargs: ClassVar[dict] = {"reshard_after_forward": False}
+
+
 class FSApplyTorchFunc(FSApply):
     name = "fs_apply_torchfunc"
 
@@ -332,6 +340,7 @@ DONATE = _has_donate()
 
 
 BUILDERS = {"unsharded": Unsharded, "ddp": DDP, "fsdp2": FSDP2, "fsdp2_async": FSDP2Async, "fs_apply": FSApply,
+            "fs_apply_kept": FSApplyKept,
             "fs_apply_torchfunc": FSApplyTorchFunc, "fs_fully_shard": FSFullyShard, "fsdp2_fp32": FSDP2FP32,
             "fsdp2_script": FSDP2Script, "fs_fully_shard_script": FSFullyShardScript}
 

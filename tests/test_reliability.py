@@ -327,7 +327,7 @@ def _inner_activation_backward() -> dict:
         del out
         return stash.pop().square().mean()
 
-    ref = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
+    ref = ref_inner = torch.func.grad(lambda p: inner(torch.func.functional_call(model, p, (x,))))(full)
     out = {}
     for reshard in (True, 1):
         plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
@@ -352,6 +352,11 @@ def _inner_activation_backward() -> dict:
     state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
     with torch.autograd.graph.disable_saved_tensors_hooks("the caller's hooks are off"):
         y = funcshard.apply(plan, state, x)
+    try:  # (a saved view of group 'blocks.1', freed after forward, without apply's hooks: autograd refuses it)
+        stash[-1].grad_fn._saved_mat2
+        out["hooks disabled: saved view read refused"] = False
+    except RuntimeError as e:
+        out["hooks disabled: saved view read refused"] = "inplace" in str(e)
     y.square().mean().backward()
     want = funcshard.shard(plan, ref)
     out["apply with saved-tensor hooks disabled"] = all(torch.equal(state[k].grad, want[k]) for k in want)
@@ -372,6 +377,8 @@ def _inner_activation_backward() -> dict:
     except RuntimeError as e:
         out["saved view read outside backward"] = "'blocks.1' is a view of the group's unsharded" in str(e)
     del kept
+    _saved_view_reads(out, model, mesh, stash, x, full, ref_inner, (True, False))  # (int: _int_reshard_reads)
+    _saved_view_reads(out, None, mesh, stash, x, full, ref_inner, (True, False), fully_shard=True)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x, v = torch.randn(5, 3), torch.randn(5, 3)
     p = {k: t.detach() for k, t in m.named_parameters()}
@@ -392,6 +399,160 @@ def _inner_activation_backward() -> dict:
     return out
 
 
+def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: dict, modes: tuple,
+                      fully_shard: bool = False) -> None:
+    """Autograd's saved view of group 'blocks.1''s weight read outside backward (``grad_fn._saved_mat2``) with
+    ``reshard_after_forward`` in ``modes``, before backward and after a backward that keeps the graph
+    (``retain_graph=True``), then a second backward through the retained graph from the activation alone. Where
+    apply runs its saved-tensor hooks (a group freed after forward: True, an int) they raise funcshard's error naming
+    the group and whether it was freed after its forward or after the step's backward (it named neither), and gather
+    the group again for the second backward (twice the gradients, ``ref``); elsewhere autograd refuses the read
+    (GroupBuffers.mark_freed: its "modified inplace" error), where it read freed memory (SIGSEGV at W=1 and W=2:
+    ``reshard_after_forward=False`` after backward, every ``fully_shard`` read of a freed group) or raised
+    "setStorage ... out of bounds" (False's second backward). A group kept gathered reads its parameter."""
+    import funcshard
+    from models import MLP, Block
+
+    def outcome(fn) -> str:
+        try:
+            got = fn()
+        except RuntimeError as e:
+            if "'blocks.1' is a view" in str(e):
+                return "freed after forward" if "after the group's forward" in str(e) else (
+                    "freed after backward" if "after the step's backward" in str(e) else str(e))
+            return "autograd refused" if "inplace" in str(e) else str(e)
+        return got
+
+    for reshard in modes:
+        key = f"{'fully_shard' if fully_shard else 'apply'} {reshard}"
+        if fully_shard:  # (a model of the same weights, seed 0, per mode)
+            torch.manual_seed(0)
+            model = MLP(layers=2)
+            model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+            for b in model.blocks:
+                funcshard.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+            funcshard.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            y = model(x)  # (its backward from the output: from the activation alone it needs apply's hooks)
+        else:
+            plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=reshard)
+            state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+            y = funcshard.apply(plan, state, x)
+        act = stash.pop()
+        hooked = not fully_shard and reshard is not False  # (apply pushes its hooks where a group is freed
+        # after forward)
+
+        def read():
+            return "value" if torch.equal(act.grad_fn._saved_mat2, full["blocks.1.l1.weight"].t()) else "wrong"
+
+        out[f"{key} read before backward"] = outcome(read) == (
+            "value" if reshard is False else "freed after forward" if hooked else "autograd refused")
+        (y if fully_shard else act).square().mean().backward(retain_graph=True)
+        out[f"{key} read after backward"] = outcome(read) == ("freed after backward" if hooked else "autograd refused")
+        if fully_shard:
+            continue
+
+        def again():
+            act.square().mean().backward()
+            want = funcshard.shard(plan, ref)
+            return "twice" if all(torch.equal(state[k].grad, 2 * want[k]) for k in want) else "wrong"
+
+        out[f"{key} second backward"] = outcome(again) == ("twice" if hooked else "autograd refused")
+    stash.clear()
+
+
+def _int_reshard_reads() -> dict:
+    """``_saved_view_reads`` with an int ``reshard_after_forward`` (2 at W=4: kept sharded over 2 ranks after
+    forward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    stash = []
+    model.blocks[1].l1.register_forward_hook(lambda m, a, o: stash.append(o))
+    x = torch.randn(4, 7)
+    full = {k: v.detach() for k, v in model.named_parameters()}
+    ref = torch.func.grad(lambda p: (torch.func.functional_call(model, p, (x,)), stash.pop().square().mean())[1])(full)
+    out = {}
+    _saved_view_reads(out, model, init_device_mesh("cpu", (dist.get_world_size(),)), stash, x, full, ref, (2,))
+    return out
+
+
+def _threads_own_hooks() -> dict:
+    """Two threads, each running apply's forward and backward under its own
+    ``torch.autograd.graph.saved_tensors_hooks`` (torch keeps a hook stack per thread; apply binds the caller's hooks
+    into its own pack hook, functools.partial), both forwards in flight at once (a barrier in a block's forward, after
+    both pushed their hooks): each thread's pack hook runs only in its own thread, as often as in a one-thread run,
+    its unpack hook gets only what it packed, and the gradients equal the one-thread run's bit for bit. (With the
+    caller's hooks in a module global, as before 9d4a77c, one thread's tensors went to the other's hooks.)"""
+    import threading
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import MLP, Block
+
+    mesh = init_device_mesh("cpu", (1,))
+    xs = [torch.randn(4, 7, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    barrier = threading.Barrier(2, timeout=60)
+    packed, foreign, grads, errors = [[], []], [[], []], [None, None], []
+
+    def build(threaded: bool) -> tuple:
+        torch.manual_seed(0)  # (in this thread: torch's generator is the process's)
+        model = MLP(layers=2)
+        if threaded:
+            model.blocks[0].register_forward_hook(lambda *_: [barrier.wait()] and None)  # (None: the output stays)
+        plan = funcshard.plan(model, mesh, groups=(Block,))
+        return plan, {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+
+    def run(i: int, plan, state: dict, threaded: bool) -> None:
+        me = threading.get_ident()
+
+        def pack(t):
+            packed[i].append(threading.get_ident() == me)
+            return i, t
+
+        def unpack(p):
+            foreign[i].append(p[0] != i)
+            return p[1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = funcshard.apply(plan, state, xs[i])
+            if threaded:
+                barrier.wait()  # (both forwards done before either backward)
+            y.square().mean().backward()
+        grads[i] = {k: v.grad for k, v in state.items()}
+
+    for i in range(2):
+        run(i, *build(False), False)
+    alone, counts = grads[:], [len(p) for p in packed]
+    packed, foreign, grads = [[], []], [[], []], [None, None]
+
+    built = [build(True) for _ in range(2)]
+
+    def body(i: int) -> None:
+        try:
+            run(i, *built[i], True)
+        except BaseException as e:  # (reported below, the other thread let go)
+            errors.append(f"{type(e).__name__}: {e}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = {"errors": errors}
+    for i in range(2):
+        out[f"thread {i} packed its own only"] = len(packed[i]) == counts[i] > 0 and all(packed[i])
+        out[f"thread {i} unpacked its own only"] = bool(foreign[i]) and not any(foreign[i])
+        out[f"thread {i} gradients"] = grads[i] is not None and all(torch.equal(grads[i][k], alone[i][k])
+                                                                    for k in alone[i])
+    return out
+
+
 def test_grad_of_an_inner_activation_only():
     from multirank import run_ranks
 
@@ -399,6 +560,15 @@ def test_grad_of_an_inner_activation_only():
         assert all(out.values()), out
     for out in run_ranks(2, _inner_activation_backward):
         assert all(out.values()), out
+    for out in run_ranks(4, _int_reshard_reads):
+        assert len(out) == 3 and all(out.values()), out
+
+
+def test_saved_tensor_hooks_of_two_threads():
+    from multirank import run_ranks
+
+    (out,) = run_ranks(1, _threads_own_hooks)
+    assert out.pop("errors") == [] and len(out) == 6 and all(out.values()), out
 
 
 # ---- buffers stay the module's own -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from funcshard._collectives import CollectiveError, free_buffers, no_functorch, no_grad, unwrapped, Where
 from funcshard._pipeline import Buckets, post_forward_shards, regather_targets, start_gather, start_regather
 from funcshard._extension import extension_of
-from funcshard._compat import unsafe_preserve_version_counter
+from funcshard._compat import set_version_counters, unsafe_preserve_version_counter
 from funcshard._offload import to_device
 from funcshard._plan import Group
 from funcshard._spec import reduced
@@ -37,7 +37,8 @@ class GroupBuffers:
     """One group's shards (as given), unsharded buffers, and gather state within a step."""
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
-                 "pending", "versions", "frozen", "trainable", "post", "regather", "grad_mask", "ext", "compute_device")
+                 "pending", "versions", "frozen", "trainable", "post", "regather", "grad_mask", "ext", "compute_device",
+                 "freed_versions")
 
     def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None,
                  compute_device: torch.device | None = None):
@@ -69,6 +70,9 @@ class GroupBuffers:
         self.versions = None  # flat layout: autograd's version counters held while the collective writes
         self.post: tuple | None = None  # (post-forward shards, process group, rank in it, k) while resharded to k
         self.regather = 0  # k while a gather from the post-forward shards is in flight
+        # while the storage is freed: autograd's versions of the buffers before the free (``mark_freed``), put back
+        # when it is refilled (``wait``)
+        self.freed_versions = None
 
     @property
     def device(self) -> torch.device:
@@ -165,6 +169,9 @@ class GroupBuffers:
             if self.versions is not None:
                 self.versions.__exit__(None, None, None)
                 self.versions = None
+            if self.freed_versions is not None:  # refilled: autograd may read the tensors it saved again
+                self.freed_versions.__exit__(None, None, None)
+                self.freed_versions = None
         self.pending, self.regather = None, 0
         self.status = Status.GATHERED
         if LISTENERS:
@@ -177,8 +184,9 @@ class GroupBuffers:
             self.versions.__exit__(None, None, None)
             self.versions = None
         if self.pending is not None and self.pending.in_place:
-            self.bases = self.copy_to = None
+            self.bases = self.copy_to = self.freed_versions = None  # (versions left moved on: not refilled)
         elif self.bases is not None:
+            self.mark_freed()
             free_buffers(self.storages())  # (per-parameter layout: the collective writes into its own buffers)
         self.pending, self.regather, self.status = None, 0, Status.SHARDED
 
@@ -194,11 +202,27 @@ class GroupBuffers:
             if not e.repeat:
                 raise
             return  # (dropped)
+        self.mark_freed()
         with no_functorch():
             free_buffers(self.storages())
         self.status = Status.SHARDED
         if LISTENERS:
             emit("freed", self.group.name, self)
+
+    def mark_freed(self) -> None:
+        """The buffers' storage is about to be freed: move autograd's version of each on by one (its views share it),
+        so that autograd refuses to unpack a tensor it saved of them without saved-tensor hooks (its "modified by an
+        inplace operation" error, where it would read freed memory: a saved view read by ``grad_fn._saved_*``, or a
+        backward that reaches the group without gathering it); ``wait`` puts the versions back once refilled. A C
+        call per group, nothing per saved tensor (the saved-tensor hooks of ``_runtime.saved`` cost Python per saved
+        tensor: they run where they can name the group)."""
+        if self.freed_versions is not None or not self.bases:
+            return  # (freed already, not refilled since)
+        tensors = tuple(self.versioned())
+        if not tensors or any(t.is_inference() for t in tensors):
+            return  # (inference tensors have no versions)
+        self.freed_versions = unsafe_preserve_version_counter(tensors)
+        set_version_counters(tensors, [v + 1 for v in self.freed_versions.prev_versions])
 
     def reshard_to(self, plan, k: int) -> None:
         """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free

@@ -4,12 +4,14 @@ A group freed after forward is gathered again by the pre-backward hook on its ou
 group's operations without passing through those outputs never fires it: a loss taken only from an activation inside
 the group, or a forward run under ``torch.func.jvp`` and differentiated by ``.backward()`` (the hook sits on the
 transform's wrapper, not on the tensor the backward runs through). Autograd would then read a view of the freed
-storage ("setStorage ... out of bounds for storage of size 0"; FSDP2 fails the same way). So, while a step's forward
-runs (``apply``'s, not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its
-forward), saved-tensor hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
+storage (FSDP2: "setStorage ... out of bounds for storage of size 0"; funcshard: autograd's "modified inplace"
+error, ``GroupBuffers.mark_freed``). So, while a step's forward runs (``apply``'s, where a group is freed after forward;
+not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynamo traces its forward), saved-tensor
+hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
 and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
 when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
-collectives are unchanged). The caller's own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
+collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group. The caller's
+own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
 non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
 Under ``torch.func.grad`` / ``vjp`` torch refuses saved-tensor hooks: there a loss of an inner activation alone fails
@@ -147,7 +149,9 @@ class SavedViews:
             return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
         if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
                    for gb in step.groups.values()):
-            return  # nothing is freed after forward: nothing to gather again
+            return  # nothing is freed after forward: nothing to gather again (a group freed after backward only: a
+            # saved view read after it raises autograd's error, GroupBuffers.mark_freed; hooks here cost Python per
+            # saved tensor, ~8 % of a tiny-13g step's CPU time at W=4)
         top = top_saved_tensors_default_hooks(False)
         if checkpoint_saved_hooks(top):
             # apply inside torch.utils.checkpoint: it saves no tensor of this forward (it recomputes them in backward)
@@ -178,12 +182,19 @@ _NESTED = object()
 
 
 def _ensure_gathered(step: Step, name: str) -> None:
-    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first."""
+    """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first (in a backward:
+    a retained graph's second backward too); outside backward (``grad_fn._saved_*``) a freed group raises."""
     if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
+        if step.done:
+            when = ("freed after the step's backward: read it before or inside the backward, or keep the group "
+                    "gathered (reshard_after_backward=False for it)")
+        else:
+            when = ("freed after the group's forward: read it inside backward, or keep the group gathered "
+                    "(reshard_after_forward=False for it)")
         raise RuntimeError(
             f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's "
-            f"unsharded parameters, which are freed outside backward (reading it would read freed memory); read it "
-            f"inside backward, or keep the group gathered (reshard_after_forward=False for it) ({step.api})")
+            f"unsharded parameters, {when}; or keep `.detach().clone()` of it inside the forward, or read the "
+            f"parameters by funcshard.gather(plan, state) (reading it now would read freed memory) ({step.api})")
     regather(step, name)
 
 
