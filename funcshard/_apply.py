@@ -13,8 +13,9 @@ from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
+from funcshard._runtime.strategies import below
 from funcshard._shard import check_state
-from funcshard._traced import buckets, run as traced_run, unsupported
+from funcshard._traced import apply_unsupported, buckets, run as traced_run
 from funcshard._compat import TransformType, get_interpreter_stack
 
 
@@ -72,11 +73,13 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # (a transform stack apply's runtime does not take: the traced path, which composes. Not asked while dynamo
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
-    if not torch.compiler.is_compiling() and _nested(plan):
+    compiling = torch.compiler.is_compiling()
+    tracked = [] if compiling else below(state.values(), (args, kwargs))  # (one grad/jvp level, recorded below it)
+    if not compiling and _nested(plan, tracked):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
-    step, args, kwargs = _enter(plan, state, args, kwargs, torch.compiler.is_compiling())
+    step, args, kwargs = _enter(plan, state, args, kwargs, compiling, tracked)
     if step is None:  # (one grad/jvp level over a state made from a gradient through the gathers: _adapted)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
     try:
@@ -89,19 +92,19 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan) -> bool:
-    """Whether a torch.func transform stack other than the runtime's own (none, or one grad/vjp or jvp level) is
-    active, and the traced mode runs the plan (else apply's ``check_transforms`` refuses it)."""
+def _nested(plan: Plan, tracked: list) -> bool:
+    """Whether a torch.func transform stack other than the runtime's own is active, and the traced mode runs the plan
+    (else apply's ``check_transforms`` refuses it, or the runtime's gradients refuse being differentiated again). The
+    runtime's own: none, or one grad/vjp or jvp level whose results plain autograd cannot differentiate below the
+    transform (``tracked``: the call's tensors it records there, ``strategies.below``; measured before: MAML's
+    meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad`` refused on the runtime, a backward through
+    ``torch.func.jvp``'s tangent returned no gradient)."""
     stack = get_interpreter_stack()
-    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
+    if not stack:
         return False
-    return _traced_runs(plan)
-
-
-def _traced_runs(plan: Plan) -> bool:
-    """Whether the traced mode runs ``plan`` for apply (nested transforms)."""
-    return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
-                or any(g.offload_to_cpu for g in plan.groups))
+    if len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp) and not tracked:
+        return False
+    return not apply_unsupported(plan)
 
 
 def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
@@ -121,25 +124,26 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     refuse_series([state[p.path] for b in buckets(plan) if divides(b) for p in b.params], "funcshard.apply")
     if not depends_on_gradient(state.values()):
         return False
-    if not _traced_runs(plan):
+    if apply_unsupported(plan):
         raise NotImplementedError(
             f"funcshard.apply under {transform_stack(stack) if stack else 'plain autograd'} of a state made from a "
             f"gradient taken through a gather "
             f"(MAML's adapted state): its second derivative needs the traced path, which does not run this plan "
-            f"({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
+            f"({'; '.join(apply_unsupported(plan))}); call "
             f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
     return True
 
 
 @runtime_boundary
 def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-           compiled: bool = False) -> tuple[Step | None, tuple, dict]:
+           compiled: bool = False, tracked: list | None = None) -> tuple[Step | None, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
     if _adapted(plan, state):  # (no Step: apply runs the traced path)
         return None, args, kwargs
     check_transforms("funcshard.apply")
     step = Step(plan, dict(state))
+    step.below = tracked  # (under one grad level, where the traced mode does not run the plan: strategies._tracked_below)
     step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)
     return step, *step.open_forward(args, kwargs)
 

@@ -231,11 +231,11 @@ def _paths(m, mesh, kw, compute=None):
 
 
 # two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
-# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but on apply's
-# runtime (below) and where one inner gradient reaches the outer loss both through a gather and otherwise
-# (maml_and_gnorm: MAML's step plus that same gradient's norm)
+# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but where one
+# inner gradient reaches the outer loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that
+# same gradient's norm). (func_then_autograd_maml on apply: its traced path, strategies.below; before, refused)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+                  "func_inputs_below", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -247,8 +247,6 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
-    if path in ("apply", "apply_sum") and row == "func_then_autograd_maml":  # (the runtime's torch.func.grad
-        return _APPLY_SECOND  # gradient, differentiated below the transform)
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
@@ -355,6 +353,19 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         maml(f, grad(f), LR)(s).backward()
         return {k: t.grad for k, t in s.items()}
 
+    def func_inputs_below():  # torch.func.grad of the state; its norm differentiated by plain autograd w.r.t. the
+        xx = x.clone().requires_grad_()  # inputs (recorded below the transform: the gradient is a function of them)
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(lambda s: f(s, xx))(state).values()), plan.mesh)
+        return torch.autograd.grad(norm2, xx)
+
+    def ref_inputs_below():  # (the inputs' whole gradient, on every rank)
+        xx = x.clone().requires_grad_()
+        return torch.autograd.grad(sum(t.pow(2).sum() for t in scaled(grad(lambda p: ref(p, xx))(full)).values()), xx)
+
+    def autograd_over_jvp():  # plain autograd through torch.func.jvp's tangent (reverse over forward)
+        s = leaves()
+        return dict(zip(s, torch.autograd.grad(jvp(f, (s,), (Vs,))[1], list(s.values()))))
+
     def ref_maml(p):
         return maml(ref, lambda q: scaled(grad(ref)(q)), LR)(p)
 
@@ -389,6 +400,8 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "backward_maml": (backward_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "func_inputs_below": (func_inputs_below, ref_inputs_below),
+        "autograd_over_jvp": (autograd_over_jvp, lambda: sh(scaled(grad(lambda p: jvp(ref, (p,), (V,))[1])(full)))),
         "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
                      lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
         "maml_gnorm": (lambda: grad(lambda s: maml(f, grad(f), LR)(s) + gnorm(s))(state),  # (two inner gradients)
@@ -457,9 +470,10 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 23  # (_table_rows, but ONLY_NAMED)
+ROWS = 25  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
-SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
+SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls",  # (test_second_order_rows;
+               "func_inputs_below", "autograd_over_jvp")  # test_table: slow)
 # plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
 # penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
 CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")
@@ -507,7 +521,9 @@ def test_second_order_rows(world, hsdp):
     test_table): grad of <grad, v> (an HVP by reverse over reverse), MAML plus the norm of another inner gradient,
     MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
     calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
-    paths arrive summed)."""
+    paths arrive summed); plain autograd below one torch.func level: a torch.func.grad's norm differentiated w.r.t.
+    the inputs, and a backward through torch.func.jvp's tangent (on apply: its traced path; before, a torch error and
+    no gradient)."""
     quick = world == 2 and not hsdp
     plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
     for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
@@ -577,8 +593,12 @@ def test_create_graph_rows(world, hsdp, plans):
         _check_table(res, world, hsdp)
 
 
-_APPLY_SECOND = (r"funcshard\.apply: a gradient taken by torch\.func\.grad .* differentiated again by plain autograd "
-                 r"below the transform .*create_graph=True.*funcshard\.traced_apply or funcshard\.gather")
+_APPLY_BELOW = (r"funcshard\.apply under grad\(\.\.\.\): its gradients were differentiated again by plain autograd "
+                r"below the transform .* apply runs its traced path for that, which does not run this plan "
+                r"\((?P<why>.*)\), and .*funcshard\.gather \+ torch\.func\.functional_call, or a plan "
+                r"funcshard\.traced_apply runs")
+_TRACED_WHY = {"flat": r"layout='flat'", "comm": r"groups \['2'\] have comm hooks",
+               "offload": r"groups \[.*'0', '2', '4'\] offload to the host"}
 _NOT_DIFFERENTIABLE = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again through "
                        r"group '(?P<group>[^']*)', whose reduce-scatter apply's runtime cannot make differentiable: "
                        r"(?P<why>.*)\. The first-order values are right.*funcshard\.traced_apply or funcshard\.gather")
@@ -626,6 +646,16 @@ def _apply_create_graph():
             out[name, "again"] = "no error"
         except NotImplementedError as e:
             out[name, "again"] = str(e)
+        if name != "per_block":  # (a torch.func.grad's norm differentiated below it: the state's, the inputs')
+            xx = x.clone().requires_grad_()
+            for below, wrt in (("below", leaves), ("inputs below", {"x": xx})):
+                g = torch.func.grad(lambda s: funcshard.apply(plan, s, xx).pow(2).sum())(leaves)
+                try:
+                    torch.autograd.grad(funcshard.all_reduce(sum(t.pow(2).sum() for t in g.values()), mesh),
+                                        list(wrt.values()))
+                    out[name, below] = "no error"
+                except NotImplementedError as e:
+                    out[name, below] = str(e)
         if name == "flat":
             xx = x.clone().requires_grad_()
             (gx,) = torch.autograd.grad(funcshard.apply(plan, leaves, xx).pow(2).sum(), xx, create_graph=True)
@@ -642,7 +672,9 @@ def test_apply_create_graph_collectives_and_refusals():
     the same first-order values bit for bit.
     Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
     comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
-    is exact (its second backward is first order through the gather)."""
+    is exact (its second backward is first order through the gather). On those plans, which apply's traced path does
+    not run, a torch.func.grad's norm differentiated by plain autograd w.r.t. the state or the inputs is refused
+    naming why (elsewhere that path runs it: test_table, test_second_order_rows)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
@@ -655,6 +687,9 @@ def test_apply_create_graph_collectives_and_refusals():
                                   ("offload", ("0", "2", "4"), r"it offloads to the host \(CPUOffloadPolicy\)")):
             m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
             assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
+            for below in ("below", "inputs below"):
+                m = re.search(_APPLY_BELOW, out[name, below])
+                assert m and re.search(_TRACED_WHY[name], m["why"]), (name, below, out[name, below])
         assert out["flat", "penalty"] is True, out
 
 
@@ -706,7 +741,39 @@ def _counts():
         out[path, "grad"] = _counted(lambda: torch.func.grad(f)(state))
         leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
         out[path, "autograd"] = _counted(lambda: f(leaves).backward())
+    out["apply"] = _routed(plan, state, x)
     out["plans"] = _plan_counts(plan.mesh, ("apply",), ())
+    return out
+
+
+def _routed(plan, state, x):
+    """Which of apply's paths first-order calls take (the runtime, or the traced path: counted), and their collectives:
+    one torch.func grad or jvp level, value_and_grad, and (the traced path) a grad or jvp level over leaves that plain
+    autograd records below it (``strategies.below``)."""
+    import funcshard
+    import funcshard._apply as applied
+
+    f = lambda s: funcshard.apply(plan, s, x).pow(2).sum()  # noqa: E731
+    leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
+    traced, run = [], applied.traced_run
+    out = {}
+
+    def counted(key, fn):
+        n = len(traced)
+        out[key] = _counted(fn), len(traced) - n
+
+    applied.traced_run = lambda *a: traced.append(1) or run(*a)
+    try:
+        counted("grad", lambda: torch.func.grad(f)(state))  # (the shards require no grad)
+        with torch.no_grad():  # (plain autograd records nothing below the transform)
+            counted("grad, no_grad", lambda: torch.func.grad(f)(leaves))
+        counted("vjp", lambda: torch.func.vjp(f, state)[1](torch.ones(())))
+        counted("jvp", lambda: torch.func.jvp(f, (state,), (state,)))
+        counted("value_and_grad", lambda: funcshard.value_and_grad(f)(leaves))
+        counted("grad, below", lambda: torch.func.grad(f)(leaves))
+        counted("jvp, below", lambda: torch.func.jvp(f, (leaves,), (state,)))
+    finally:
+        applied.traced_run = run
     return out
 
 
@@ -750,6 +817,9 @@ def _plan_counts(mesh, paths=("gather", "apply"), members=(2, 4)):
 def test_collective_counts():
     """vmap over stacked states: one all-gather per group (3) in forward and one reduce-scatter per group in
     backward, whatever the number of members; a single torch.func.grad issues what plain autograd does (gather).
+    apply under one grad/vjp or jvp level and value_and_grad: its runtime (the groups gathered again in backward),
+    also over leaves that require grad under no_grad; its traced path only where plain autograd records the leaves
+    below the level.
     On every plan of the table, apply (its traced path): per-sample gradients over 2 or 5 examples issue one
     all-gather and one reduce-scatter per bucket (group and compute dtype); gather, and ensembles, under slow.
     (traced_apply's plain-autograd path issues c10d functional collectives, which these counters do not see.)"""
@@ -758,6 +828,10 @@ def test_collective_counts():
     for path in ("gather", "traced"):
         assert out[path, "ensemble", 2] == out[path, "ensemble", 4] == out[path, "grad"] == per_group, out
     assert out["gather", "autograd"] == per_group, out
+    runtime, traced = ["ag"] * 6 + ["rs"] * 3, per_group  # (the runtime's groups resharded after forward)
+    assert out["apply"] == {"grad": (runtime, 0), "grad, no_grad": (runtime, 0), "vjp": (runtime, 0),
+                            "jvp": (["ag"] * 6, 0), "value_and_grad": (runtime, 0), "grad, below": (traced, 1),
+                            "jvp, below": (["ag"] * 6, 1)}, out["apply"]
     _check_plan_counts(out["plans"], 1, 2)
 
 

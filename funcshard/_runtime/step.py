@@ -136,6 +136,9 @@ class Step:
         # apply: a backward with create_graph=True ran, whose graph reads the unsharded parameters again when it is
         # differentiated: no group is freed after backward from then on (GroupRun.free_after_backward)
         self.second_order = False
+        # apply, under one torch.func grad level: the call's tensors plain autograd records below it (None: not
+        # apply's step; strategies._tracked_below)
+        self.below: list | None = None
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
         self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward

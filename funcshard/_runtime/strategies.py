@@ -31,19 +31,23 @@ import torch
 
 from funcshard._pipeline import jvp_of_gather
 from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides, refuse_again,
-                                   rows, scatter_mean)
+                                   rows, scatter_mean, transform_stack)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
+    GradInterpreter,
+    TransformType,
     current_graph_task_id,
     get_interpreter_stack,
     get_unwrapped,
     function_base_apply,
     is_functorch_wrapped_tensor,
     top_saved_tensors_default_hooks,
+    torch_tree_leaves,
     unwrap_if_dead,
     will_engine_execute_node,
 )
 from funcshard._runtime.part import Part
+from funcshard._traced import apply_unsupported
 from funcshard._schedule import label, reduce_scatter_depth
 
 if TYPE_CHECKING:
@@ -625,6 +629,14 @@ _SECOND_ORDER = (
     "differentiates it again), nest torch.func transforms (torch.func.grad(grad(...)): apply runs the traced path), or "
     "use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
 
+_BELOW = (
+    "funcshard.apply under {stack}: its gradients were differentiated again by plain autograd below the transform "
+    "(MAML's meta-gradient by loss.backward() or funcshard.value_and_grad over an inner torch.func.grad; the state or "
+    "an input requires grad there). apply runs its traced path for that, which does not run this plan ({why}), and the "
+    "runtime's whole-step gather under torch.func reduce-scatters outside autograd, so the terms through the "
+    "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
+    "returned. Use funcshard.gather + torch.func.functional_call, or a plan funcshard.traced_apply runs")
+
 _NOT_DIFFERENTIABLE = (
     "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
     "reduce-scatter apply's runtime cannot make differentiable: {why}. The first-order values are right and were "
@@ -718,11 +730,44 @@ def second_order_grads(step, name: str, grads: list) -> list:
 
 def _tracked_below(step, grads):
     """The runtime's gradients under ``torch.func.grad``: below the transform (plain autograd recording it, because
-    the state under its wrappers requires grad: MAML's meta-gradient by ``loss.backward()`` over an inner
-    ``torch.func.grad``) they depend on the state and raise ``_SECOND_ORDER`` when differentiated; before, they were
-    constants there and the second-order term was silently missing."""
-    deps = [t for t in step.state.values() if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
-    return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    the state under its wrappers requires grad, or an input does: MAML's meta-gradient by ``loss.backward()`` over an
+    inner ``torch.func.grad``, on a plan the traced path does not run; apply runs the traced path on the others:
+    ``below``) they depend on those tensors and raise ``_SECOND_ORDER`` when differentiated; before, they were
+    constants there and the second-order term was silently missing. ``step.below``: what apply's entry found
+    (``below``; ``_BELOW`` names why the traced path does not run the plan); a step without it (fully_shard's) scans
+    its state (``_SECOND_ORDER``)."""
+    if getattr(step, "below", None) is None:  # (not apply's step)
+        deps = tracked(step.state.values())
+        return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    if not step.below:
+        return grads
+    why = "; ".join(apply_unsupported(step.plan))
+    return refuse_again(_BELOW.format(stack=transform_stack(get_interpreter_stack()), why=why), step.below, grads)
+
+
+def below(state, inputs) -> list[torch.Tensor]:
+    """Under one torch.func grad/vjp or jvp level (the runtime's own) entered with grad mode on, the tensors of the
+    call (``state``'s values and the leaves of ``inputs``) that plain autograd records below the transform (``tracked``):
+    then its results can be differentiated again there (MAML's meta-gradient by ``loss.backward()`` or
+    ``funcshard.value_and_grad`` over an inner ``torch.func.grad``, a backward through ``torch.func.jvp``'s tangent),
+    which the runtime's gathers, first order at the level they run at, would miss: ``funcshard.apply`` runs the traced
+    path then (and where the traced mode does not run the plan, its gradients refuse being differentiated again:
+    ``_tracked_below``). Empty otherwise: no transform (plain autograd runs the runtime's own create_graph backward), a
+    nested stack (the traced path anyway), grad mode off where the level was entered (nothing below records it)."""
+    stack = get_interpreter_stack()
+    if not stack or len(stack) != 1:
+        return []
+    key = stack[0].key()
+    if key == TransformType.Grad:
+        on = GradInterpreter(stack[0]).prevGradMode()  # (the transform turns grad mode on inside it)
+    else:
+        on = key == TransformType.Jvp and torch.is_grad_enabled()  # (jvp leaves grad mode as it was)
+    return tracked([*state, *torch_tree_leaves(inputs)]) if on else []
+
+
+def tracked(tensors) -> list[torch.Tensor]:
+    """Those of ``tensors`` whose base below every torch.func wrapper requires grad (plain autograd records them)."""
+    return [t for t in tensors if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
 
 
 def _base_requires_grad(t: torch.Tensor) -> bool:
