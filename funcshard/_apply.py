@@ -13,7 +13,7 @@ from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
-from funcshard._runtime.strategies import below
+from funcshard._runtime.strategies import below, tangents_below, tangents_refusal
 from funcshard._shard import check_state
 from funcshard._traced import apply_unsupported, buckets, run as traced_run
 from funcshard._compat import TransformType, get_interpreter_stack
@@ -74,12 +74,11 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
     compiling = torch.compiler.is_compiling()
-    tracked = [] if compiling else below(state.values(), (args, kwargs))  # (one grad/jvp level, recorded below it)
-    if not compiling and _nested(plan, tracked):
+    if not compiling and _nested(plan, state, args, kwargs):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
-    step, args, kwargs = _enter(plan, state, args, kwargs, compiling, tracked)
+    step, args, kwargs = _enter(plan, state, args, kwargs, compiling)
     if step is None:  # (one grad/jvp level over a state made from a gradient through the gathers: _adapted)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
     try:
@@ -92,18 +91,19 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan, tracked: list) -> bool:
+def _nested(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> bool:
     """Whether a torch.func transform stack other than the runtime's own is active, and the traced mode runs the plan
-    (else apply's ``check_transforms`` refuses it, or the runtime's gradients refuse being differentiated again). The
-    runtime's own: none, or one grad/vjp or jvp level whose results plain autograd cannot differentiate below the
-    transform (``tracked``: the call's tensors it records there, ``strategies.below``; measured before: MAML's
-    meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad`` refused on the runtime, a backward through
-    ``torch.func.jvp``'s tangent returned no gradient)."""
+    (else apply's ``check_transforms`` refuses it). The runtime's own: none, one grad/vjp level, or one jvp level
+    whose tangents plain autograd does not record below it (``strategies.tangents_below``: their gather is the
+    traced path's, differentiable)."""
     stack = get_interpreter_stack()
     if not stack:
         return False
-    if len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp) and not tracked:
-        return False
+    if len(stack) == 1:
+        key = stack[0].key()
+        if key == TransformType.Grad or (key == TransformType.Jvp and not (
+                isinstance(state, Mapping) and tangents_below(state, (args, kwargs)))):
+            return False
     return not apply_unsupported(plan)
 
 
@@ -136,14 +136,18 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
 
 @runtime_boundary
 def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
-           compiled: bool = False, tracked: list | None = None) -> tuple[Step | None, tuple, dict]:
+           compiled: bool = False) -> tuple[Step | None, tuple, dict]:
     check_state(plan, state)
     check_mesh(plan.mesh)
     if _adapted(plan, state):  # (no Step: apply runs the traced path)
         return None, args, kwargs
     check_transforms("funcshard.apply")
+    stack = get_interpreter_stack()
+    if stack and stack[0].key() == TransformType.Jvp and apply_unsupported(plan) and tangents_below(state, (args,
+                                                                                                        kwargs)):
+        raise NotImplementedError(tangents_refusal(plan))  # (a plan the traced path does not run: _nested)
     step = Step(plan, dict(state))
-    step.below = tracked  # (under one grad level, where the traced mode does not run the plan: strategies._tracked_below)
+    step.below = below(state, (args, kwargs))  # (one grad level: what plain autograd records below it)
     step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)
     return step, *step.open_forward(args, kwargs)
 

@@ -233,10 +233,12 @@ def _paths(m, mesh, kw, compute=None):
 # two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
 # meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but where one
 # inner gradient reaches the outer loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that
-# same gradient's norm). (func_then_autograd_maml on apply: its traced path, strategies.below; before, refused)
+# same gradient's norm), and on apply's runtime a torch.func.grad's gradient differentiated below the transform
+# (BELOW_GRAD: refused, strategies.below)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
                   "func_inputs_below", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
+BELOW_GRAD = ("func_then_autograd_maml", "func_inputs_below")
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
 _MIXED = r"reaches the outer loss both through another gather \(as in MAML.*grad_divide_factor=1\.0"
@@ -247,6 +249,8 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
+    if path in ("apply", "apply_sum") and row in BELOW_GRAD:  # (the runtime's torch.func.grad gradient,
+        return _APPLY_SECOND  # differentiated below the transform: strategies.below)
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
@@ -522,8 +526,8 @@ def test_second_order_rows(world, hsdp):
     MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
     calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
     paths arrive summed); plain autograd below one torch.func level: a torch.func.grad's norm differentiated w.r.t.
-    the inputs, and a backward through torch.func.jvp's tangent (on apply: its traced path; before, a torch error and
-    no gradient)."""
+    the inputs (apply: refused, as its MAML by .backward(); before, a torch error), and a backward through
+    torch.func.jvp's tangent (apply: its runtime, right; before, no gradient)."""
     quick = world == 2 and not hsdp
     plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
     for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
@@ -593,10 +597,10 @@ def test_create_graph_rows(world, hsdp, plans):
         _check_table(res, world, hsdp)
 
 
-_APPLY_BELOW = (r"funcshard\.apply under grad\(\.\.\.\): its gradients were differentiated again by plain autograd "
-                r"below the transform .* apply runs its traced path for that, which does not run this plan "
-                r"\((?P<why>.*)\), and .*funcshard\.gather \+ torch\.func\.functional_call, or a plan "
-                r"funcshard\.traced_apply runs")
+_APPLY_SECOND = (r"funcshard\.apply: a gradient taken by torch\.func\.grad .* differentiated again by plain autograd "
+                 r"below the transform .*create_graph=True.*funcshard\.traced_apply or funcshard\.gather")
+_TANGENTS = (r"funcshard\.apply under jvp\(\.\.\.\): a tangent requires grad .* apply runs its traced path for that, "
+             r"which does not run this plan \((?P<why>.*)\), and .*\(detach them\)")
 _TRACED_WHY = {"flat": r"layout='flat'", "comm": r"groups \['2'\] have comm hooks",
                "offload": r"groups \[.*'0', '2', '4'\] offload to the host"}
 _NOT_DIFFERENTIABLE = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again through "
@@ -624,6 +628,9 @@ def _apply_create_graph():
     xx = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(torch.func.functional_call(m, full, (xx,)).pow(2).sum(), xx, create_graph=True)
     ref_penalty = dict(zip(full, torch.autograd.grad(gx.pow(2).sum(), list(full.values()))))
+    V = {k: torch.randn(v.shape) for k, v in full.items()}  # (reverse over jvp: the tangent's gradient)
+    ref_jvp = dict(zip(full, torch.autograd.grad(torch.func.jvp(
+        lambda p: torch.func.functional_call(m, p, (x,)).pow(2).sum(), (full,), (V,))[1], list(full.values()))))
     out = {}
     plans = {"per_block": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)),
              "flat": funcshard.plan(m, mesh, groups=(torch.nn.Linear,), layout="flat"),
@@ -646,7 +653,8 @@ def _apply_create_graph():
             out[name, "again"] = "no error"
         except NotImplementedError as e:
             out[name, "again"] = str(e)
-        if name != "per_block":  # (a torch.func.grad's norm differentiated below it: the state's, the inputs')
+        if name != "per_block":  # (a torch.func.grad's norm differentiated below it: the state's, the inputs';
+            # refused on every plan, not only these: test_table)
             xx = x.clone().requires_grad_()
             for below, wrt in (("below", leaves), ("inputs below", {"x": xx})):
                 g = torch.func.grad(lambda s: funcshard.apply(plan, s, xx).pow(2).sum())(leaves)
@@ -656,6 +664,17 @@ def _apply_create_graph():
                     out[name, below] = "no error"
                 except NotImplementedError as e:
                     out[name, below] = str(e)
+            Vs = funcshard.shard(plan, V)  # (a jvp level over state tracked below it: the runtime, right)
+            _, t = torch.func.jvp(lambda s: funcshard.apply(plan, s, x).pow(2).sum(), (leaves,), (Vs,))
+            want = funcshard.shard(plan, ref_jvp)
+            out[name, "jvp below"] = [float((a - want[k]).abs().max()) if a.numel() else 0.0
+                                      for k, a in zip(leaves, torch.autograd.grad(t, list(leaves.values())))]
+            try:  # (its tangents tracked below it: refused)
+                torch.func.jvp(lambda s: funcshard.apply(plan, s, x).pow(2).sum(), (Vs,),
+                               ({k: v.clone().requires_grad_() for k, v in Vs.items()},))
+                out[name, "tangents below"] = "no error"
+            except NotImplementedError as e:
+                out[name, "tangents below"] = str(e)
         if name == "flat":
             xx = x.clone().requires_grad_()
             (gx,) = torch.autograd.grad(funcshard.apply(plan, leaves, xx).pow(2).sum(), xx, create_graph=True)
@@ -673,8 +692,10 @@ def test_apply_create_graph_collectives_and_refusals():
     Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
     comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
     is exact (its second backward is first order through the gather). On those plans, which apply's traced path does
-    not run, a torch.func.grad's norm differentiated by plain autograd w.r.t. the state or the inputs is refused
-    naming why (elsewhere that path runs it: test_table, test_second_order_rows)."""
+    not run, a torch.func.jvp whose tangents require grad is refused naming why (elsewhere that path runs it); a
+    torch.func.grad's norm differentiated by plain autograd w.r.t. the state or the inputs is refused (as on every
+    plan: test_table); a backward through a jvp's tangent to state that requires grad runs the runtime, exact (flat,
+    offload; before: no gradient on a per-parameter plan)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
@@ -688,8 +709,11 @@ def test_apply_create_graph_collectives_and_refusals():
             m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
             assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
             for below in ("below", "inputs below"):
-                m = re.search(_APPLY_BELOW, out[name, below])
-                assert m and re.search(_TRACED_WHY[name], m["why"]), (name, below, out[name, below])
+                assert re.search(_APPLY_SECOND, out[name, below]), (name, below, out[name, below])
+            m = re.search(_TANGENTS, out[name, "tangents below"])
+            assert m and re.search(_TRACED_WHY[name], m["why"]), (name, out[name, "tangents below"])
+            if name != "comm":  # (its bf16 reduce-scatter)
+                assert max(out[name, "jvp below"]) < 1e-5, (name, out[name, "jvp below"])
         assert out["flat", "penalty"] is True, out
 
 
@@ -748,8 +772,8 @@ def _counts():
 
 def _routed(plan, state, x):
     """Which of apply's paths first-order calls take (the runtime, or the traced path: counted), and their collectives:
-    one torch.func grad or jvp level, value_and_grad, and (the traced path) a grad or jvp level over leaves that plain
-    autograd records below it (``strategies.below``)."""
+    one torch.func grad/vjp or jvp level, value_and_grad, a grad or jvp level over leaves that plain autograd records
+    below it (the runtime too), and (the traced path) a jvp level whose tangents it records."""
     import funcshard
     import funcshard._apply as applied
 
@@ -770,8 +794,9 @@ def _routed(plan, state, x):
         counted("vjp", lambda: torch.func.vjp(f, state)[1](torch.ones(())))
         counted("jvp", lambda: torch.func.jvp(f, (state,), (state,)))
         counted("value_and_grad", lambda: funcshard.value_and_grad(f)(leaves))
-        counted("grad, below", lambda: torch.func.grad(f)(leaves))
+        counted("grad, below", lambda: torch.func.grad(f)(leaves))  # (its gradients refuse a second level)
         counted("jvp, below", lambda: torch.func.jvp(f, (leaves,), (state,)))
+        counted("jvp, tangents below", lambda: torch.func.jvp(f, (state,), (leaves,)))  # (the traced path)
     finally:
         applied.traced_run = run
     return out
@@ -818,8 +843,8 @@ def test_collective_counts():
     """vmap over stacked states: one all-gather per group (3) in forward and one reduce-scatter per group in
     backward, whatever the number of members; a single torch.func.grad issues what plain autograd does (gather).
     apply under one grad/vjp or jvp level and value_and_grad: its runtime (the groups gathered again in backward),
-    also over leaves that require grad under no_grad; its traced path only where plain autograd records the leaves
-    below the level.
+    also over leaves that require grad (with grad mode on or off); its traced path only for a jvp level whose tangents
+    plain autograd records below it.
     On every plan of the table, apply (its traced path): per-sample gradients over 2 or 5 examples issue one
     all-gather and one reduce-scatter per bucket (group and compute dtype); gather, and ensembles, under slow.
     (traced_apply's plain-autograd path issues c10d functional collectives, which these counters do not see.)"""
@@ -830,8 +855,8 @@ def test_collective_counts():
     assert out["gather", "autograd"] == per_group, out
     runtime, traced = ["ag"] * 6 + ["rs"] * 3, per_group  # (the runtime's groups resharded after forward)
     assert out["apply"] == {"grad": (runtime, 0), "grad, no_grad": (runtime, 0), "vjp": (runtime, 0),
-                            "jvp": (["ag"] * 6, 0), "value_and_grad": (runtime, 0), "grad, below": (traced, 1),
-                            "jvp, below": (["ag"] * 6, 1)}, out["apply"]
+                            "jvp": (["ag"] * 6, 0), "value_and_grad": (runtime, 0), "grad, below": (runtime, 0),
+                            "jvp, below": (["ag"] * 6, 0), "jvp, tangents below": (["ag"] * 6, 1)}, out["apply"]
     _check_plan_counts(out["plans"], 1, 2)
 
 

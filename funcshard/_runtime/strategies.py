@@ -25,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.forward_ad import unpack_dual
 
+from funcshard._collectives import unwrapped
 from funcshard._pipeline import jvp_of_gather
 from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides, refuse_again,
                                    rows, scatter_mean, transform_stack)
@@ -38,9 +41,7 @@ from funcshard._compat import (
     TransformType,
     current_graph_task_id,
     get_interpreter_stack,
-    get_unwrapped,
     function_base_apply,
-    is_functorch_wrapped_tensor,
     top_saved_tensors_default_hooks,
     torch_tree_leaves,
     unwrap_if_dead,
@@ -623,19 +624,25 @@ def _saving_views():
 _SECOND_ORDER = (
     "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
     "differentiated again by plain autograd below the transform (MAML's meta-gradient by loss.backward() over an inner "
-    "torch.func.grad): the runtime's whole-step gather under torch.func reduce-scatters outside autograd, so the terms "
-    "through the parameters' gather would be missing (a wrong second derivative). The first-order values are right "
-    "and were returned. Take the inner gradient with torch.autograd.grad(..., create_graph=True) (apply's runtime "
-    "differentiates it again), nest torch.func transforms (torch.func.grad(grad(...)): apply runs the traced path), or "
-    "use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
+    "torch.func.grad; the state or an input requires grad there): the runtime's whole-step gather under torch.func "
+    "reduce-scatters outside autograd, so the terms through the parameters' gather would be missing (a wrong second "
+    "derivative). The first-order values are right and were returned. Take the inner gradient with "
+    "torch.autograd.grad(..., create_graph=True) (apply's runtime differentiates it again), nest torch.func transforms "
+    "(torch.func.grad(grad(...)): apply runs the traced path), or use funcshard.traced_apply or funcshard.gather + "
+    "torch.func.functional_call")
 
-_BELOW = (
-    "funcshard.apply under {stack}: its gradients were differentiated again by plain autograd below the transform "
-    "(MAML's meta-gradient by loss.backward() or funcshard.value_and_grad over an inner torch.func.grad; the state or "
-    "an input requires grad there). apply runs its traced path for that, which does not run this plan ({why}), and the "
-    "runtime's whole-step gather under torch.func reduce-scatters outside autograd, so the terms through the "
-    "parameters' gather would be missing (a wrong second derivative). The first-order values are right and were "
-    "returned. Use funcshard.gather + torch.func.functional_call, or a plan funcshard.traced_apply runs")
+_TANGENTS = (
+    "funcshard.apply under {stack}: a tangent requires grad (plain autograd records it below the transform: a backward "
+    "through jvp's outputs would differentiate it). apply runs its traced path for that, which does not run this plan "
+    "({why}), and the runtime's gather of the tangents is outside autograd, so the terms through it would be missing. "
+    "Pass tangents that do not require grad (detach them) if nothing differentiates them, or use funcshard.gather + "
+    "torch.func.functional_call, or a plan funcshard.traced_apply runs")
+
+
+def tangents_refusal(plan) -> str:
+    """``_TANGENTS`` for ``plan``, naming why apply's traced path does not run it."""
+    return _TANGENTS.format(stack=transform_stack(get_interpreter_stack()), why="; ".join(apply_unsupported(plan)))
+
 
 _NOT_DIFFERENTIABLE = (
     "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
@@ -731,51 +738,47 @@ def second_order_grads(step, name: str, grads: list) -> list:
 def _tracked_below(step, grads):
     """The runtime's gradients under ``torch.func.grad``: below the transform (plain autograd recording it, because
     the state under its wrappers requires grad, or an input does: MAML's meta-gradient by ``loss.backward()`` over an
-    inner ``torch.func.grad``, on a plan the traced path does not run; apply runs the traced path on the others:
-    ``below``) they depend on those tensors and raise ``_SECOND_ORDER`` when differentiated; before, they were
-    constants there and the second-order term was silently missing. ``step.below``: what apply's entry found
-    (``below``; ``_BELOW`` names why the traced path does not run the plan); a step without it (fully_shard's) scans
-    its state (``_SECOND_ORDER``)."""
-    if getattr(step, "below", None) is None:  # (not apply's step)
-        deps = tracked(step.state.values())
-        return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
-    if not step.below:
-        return grads
-    why = "; ".join(apply_unsupported(step.plan))
-    return refuse_again(_BELOW.format(stack=transform_stack(get_interpreter_stack()), why=why), step.below, grads)
+    inner ``torch.func.grad``) they depend on those tensors and raise ``_SECOND_ORDER`` when differentiated; before,
+    they were constants there and the second-order term was silently missing (through an input: a torch error, or
+    missing beside another term). ``step.below``: what apply's entry found (``below``); a step without it
+    (fully_shard's) scans its state."""
+    deps = step.below if getattr(step, "below", None) is not None else tracked(step.state.values())
+    return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
 
 
 def below(state, inputs) -> list[torch.Tensor]:
-    """Under one torch.func grad/vjp or jvp level (the runtime's own) entered with grad mode on, the tensors of the
-    call (``state``'s values and the leaves of ``inputs``) that plain autograd records below the transform (``tracked``):
-    then its results can be differentiated again there (MAML's meta-gradient by ``loss.backward()`` or
-    ``funcshard.value_and_grad`` over an inner ``torch.func.grad``, a backward through ``torch.func.jvp``'s tangent),
-    which the runtime's gathers, first order at the level they run at, would miss: ``funcshard.apply`` runs the traced
-    path then (and where the traced mode does not run the plan, its gradients refuse being differentiated again:
-    ``_tracked_below``). Empty otherwise: no transform (plain autograd runs the runtime's own create_graph backward), a
-    nested stack (the traced path anyway), grad mode off where the level was entered (nothing below records it)."""
+    """Under one torch.func grad/vjp level entered with grad mode on, the tensors of the call (``state``'s values (a
+    mapping; anything else is left to ``check_state``) and the leaves of ``inputs``) that plain autograd records
+    below the transform (``tracked``): the level's gradients depend on them there, and the runtime's (first order:
+    its reduce-scatter is outside autograd) refuse being differentiated again (``_tracked_below``). Not routed to the
+    traced path, which would be exact: whether plain autograd will differentiate the gradients is not known when
+    apply runs, and leaves that require grad under ``torch.func.grad`` are an ordinary first-order call (they keep
+    the runtime's schedule and memory). Empty otherwise: no transform, another stack (a jvp level: the runtime's
+    gather node is plain autograd's below it, ``GroupBuffers.grad_mask``; its tangents: ``tangents_below``), grad mode
+    off where the level was entered (nothing below records it)."""
     stack = get_interpreter_stack()
-    if not stack or len(stack) != 1:
+    if not stack or len(stack) != 1 or stack[0].key() != TransformType.Grad:
         return []
-    key = stack[0].key()
-    if key == TransformType.Grad:
-        on = GradInterpreter(stack[0]).prevGradMode()  # (the transform turns grad mode on inside it)
-    else:
-        on = key == TransformType.Jvp and torch.is_grad_enabled()  # (jvp leaves grad mode as it was)
-    return tracked([*state, *torch_tree_leaves(inputs)]) if on else []
+    if not GradInterpreter(stack[0]).prevGradMode():  # (the transform turns grad mode on inside it)
+        return []
+    return tracked([*(state.values() if isinstance(state, Mapping) else ()), *torch_tree_leaves(inputs)])
+
+
+def tangents_below(state, inputs) -> bool:
+    """Under one torch.func.jvp level with grad mode on, whether a tangent of the call's tensors (``state``'s values,
+    the leaves of ``inputs``) is recorded by plain autograd below it: a backward through jvp's outputs differentiates
+    it, through the gather of the tangents, which apply's runtime makes outside autograd (the traced path's is
+    differentiable: ``funcshard.apply`` runs it). Measured before: a torch error (the runtime's).
+    Only asked under a single jvp level."""
+    if not torch.is_grad_enabled():  # (jvp leaves grad mode as it was)
+        return False
+    tensors = [t for t in (*state.values(), *torch_tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
+    return bool(tracked(unpack_dual(t).tangent for t in tensors))
 
 
 def tracked(tensors) -> list[torch.Tensor]:
     """Those of ``tensors`` whose base below every torch.func wrapper requires grad (plain autograd records them)."""
-    return [t for t in tensors if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
-
-
-def _base_requires_grad(t: torch.Tensor) -> bool:
-    """Whether plain autograd below every torch.func wrapper records ``t`` (else the Function above is not needed:
-    nothing below the transform can differentiate the gradients, and the step skips its cost)."""
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-    return t.requires_grad
+    return [t for t in tensors if isinstance(t, torch.Tensor) and unwrapped(t).requires_grad]
 
 
 def first_order(dep: torch.Tensor | None, grads, step=None, name: str | None = None):
