@@ -28,8 +28,9 @@ from funcshard._collectives import (
     wait_work,
 )
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
-                              get_interpreter_stack, get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor,
-                              never_inlined)
+                              allow_single_level_function, function_base_apply, get_interpreter_stack,
+                              get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor, never_inlined,
+                              single_level_function_allowed)
 from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._spec import ShardSpec, from_split, unpad
@@ -572,25 +573,7 @@ class _Mean(torch.autograd.Function):
     @staticmethod
     @untraced
     def backward(ctx, c):
-        mark, paths = ctx.metadata.get(_HOW), ctx.metadata.get(_PATHS)
-        how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
-        if getattr(ctx, "_funcshard_batched", False):
-            how = "batched"
-        elif how == "other" and paths is not None:
-            how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
-        if how in ("gathers", "mixed") and paths is not None:
-            how = _agreed(how, ctx, c)
-        if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
-        if how == "mixed":
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
-        if how == "batched":
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
-        if how == "gathers":
-            if _again():
-                raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
-            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None, None
-        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
+        return _mean_cotangent(ctx, c), None, None, None, None
 
     @staticmethod
     @untraced
@@ -601,6 +584,30 @@ class _Mean(torch.autograd.Function):
     @untraced
     def vmap(info, in_dims, x, factor, group, keep, shard):
         return _Mean.apply(x, factor, group, keep, shard), in_dims[0]
+
+
+def _mean_cotangent(ctx, c: torch.Tensor) -> torch.Tensor:
+    """A ``_Mean`` node's (or ``_GivenScatter``'s) cotangent for its input: the identity (times ``keep``) on a path
+    through another gather, the transpose otherwise (the section's comment), or the refusals."""
+    mark, paths = ctx.metadata.get(_HOW), ctx.metadata.get(_PATHS)
+    how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
+    if getattr(ctx, "_funcshard_batched", False):
+        how = "batched"
+    elif how == "other" and paths is not None:
+        how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+    if how in ("gathers", "mixed") and paths is not None:
+        how = _agreed(how, ctx, c)
+    if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
+    if how == "mixed":
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
+    if how == "batched":
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
+    if how == "gathers":
+        if _again():
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
+        return c if ctx.keep == 1.0 else c * ctx.keep
+    return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard)
 
 
 def _agreed(how: str, ctx, c: torch.Tensor) -> str:
@@ -822,6 +829,57 @@ def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.
     out = mean(cols, b.before, shard=group).reshape(-1)
     out = _Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out
     return mean(out, b.after, replicate, b.before, group)
+
+
+class _GivenScatter(torch.autograd.Function):
+    """``scatter_mean``'s reduce-scatter and the ``_Mean`` after it, for a result computed already: ``values`` (this
+    rank's ``(n,)``, apply's runtime's first-order reduce-scatter under one ``torch.func.grad`` level) returned as
+    they are, as a function of ``cols`` (the columns ``scatter_mean`` reduce-scatters, with the graph plain autograd
+    recorded below the transform). Its backward is that of the reduce-scatter and ``_Mean`` (a ``_Mean`` node for
+    ``watch_means``: the identity on a path through another gather, else the transpose), then the gather of the
+    cotangent; ``ready()`` first (the runtime gathers the groups the graph below reads). No collective in forward:
+    the runtime's schedule stays as it was."""
+
+    @staticmethod
+    def forward(values, cols, factor, group, keep, shard, ready):
+        return values.view_as(values)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _divide_context(ctx, (None, *inputs[2:6]), output, "mean")
+        ctx.world, ctx.ready = inputs[1].shape[0], inputs[6]
+
+    @staticmethod
+    @untraced
+    def backward(ctx, u):
+        if ctx.ready is not None:
+            ctx.ready()
+        c = _mean_cotangent(ctx, u)
+        full = _Collective.apply(c, "all_gather", ctx.shard) if ctx.world > 1 else c
+        return None, full.reshape(ctx.world, -1), None, None, None, None, None
+
+
+def given_scatter_mean(b: Bucket, cols: torch.Tensor, values: torch.Tensor, group, replicate=None,
+                       ready=None) -> torch.Tensor:
+    """``scatter_mean(b, cols, group, replicate)`` whose value is ``values``, computed already (``_GivenScatter``):
+    the divide before the reduce-scatter is ``_Mean``'s on ``cols`` (no collective), the rest is transposed in
+    backward. ``ready``: called first in backward."""
+    # (under a torch.func level (its backward: the runtime's gradient hooks), on the plain tensors below it, with
+    # functorch off: Function.apply would hand them to functorch; the C++ apply records them in plain autograd)
+    if b.before != 1.0:
+        cols = _plain_apply(_Mean, cols, b.before, None, 1.0, group)
+    return _plain_apply(_GivenScatter, values, cols, b.after, replicate, b.before, group, ready)
+
+
+def _plain_apply(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` by the C++ apply (plain autograd), also where torch.func transforms are active (with
+    functorch disabled, on plain tensors)."""
+    allowed = single_level_function_allowed()
+    allow_single_level_function(True)
+    try:
+        return fn.apply(*args) if function_base_apply is None else function_base_apply.__get__(None, fn)(*args)
+    finally:
+        allow_single_level_function(allowed)
 
 
 def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:

@@ -233,12 +233,11 @@ def _paths(m, mesh, kw, compute=None):
 # two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
 # meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but where one
 # inner gradient reaches the outer loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that
-# same gradient's norm), and on apply's runtime a torch.func.grad's gradient differentiated below the transform
-# (BELOW_GRAD: refused, strategies.below)
+# same gradient's norm). (func_then_autograd_maml on apply: before, refused; its runtime's gradients are now exact
+# below the transform, strategies.differentiated_below)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "func_inputs_below", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+                  "func_inputs_below", "func_then_autograd_gnorm", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
-BELOW_GRAD = ("func_then_autograd_maml", "func_inputs_below")
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
 _MIXED = r"reaches the outer loss both through another gather \(as in MAML.*grad_divide_factor=1\.0"
@@ -249,8 +248,6 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
-    if path in ("apply", "apply_sum") and row in BELOW_GRAD:  # (the runtime's torch.func.grad gradient,
-        return _APPLY_SECOND  # differentiated below the transform: strategies.below)
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
@@ -366,6 +363,11 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         xx = x.clone().requires_grad_()
         return torch.autograd.grad(sum(t.pow(2).sum() for t in scaled(grad(lambda p: ref(p, xx))(full)).values()), xx)
 
+    def func_then_autograd_gnorm():  # (a torch.func.grad's norm, differentiated by plain autograd w.r.t. the state)
+        s = leaves()
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(f)(s).values()), plan.mesh)
+        return dict(zip(s, torch.autograd.grad(norm2, list(s.values()))))
+
     def autograd_over_jvp():  # plain autograd through torch.func.jvp's tangent (reverse over forward)
         s = leaves()
         return dict(zip(s, torch.autograd.grad(jvp(f, (s,), (Vs,))[1], list(s.values()))))
@@ -405,6 +407,7 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_inputs_below": (func_inputs_below, ref_inputs_below),
+        "func_then_autograd_gnorm": (func_then_autograd_gnorm, lambda: sh(scaled(grad(ref_gnorm)(full)))),
         "autograd_over_jvp": (autograd_over_jvp, lambda: sh(scaled(grad(lambda p: jvp(ref, (p,), (V,))[1])(full)))),
         "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
                      lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
@@ -474,10 +477,10 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 25  # (_table_rows, but ONLY_NAMED)
+ROWS = 26  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
 SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls",  # (test_second_order_rows;
-               "func_inputs_below", "autograd_over_jvp")  # test_table: slow)
+               "func_inputs_below", "func_then_autograd_gnorm", "autograd_over_jvp")  # test_table: slow)
 # plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
 # penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
 CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.forward_ad import unpack_dual
 
-from funcshard._collectives import unwrapped
+from funcshard._collectives import no_functorch, unwrapped
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides, refuse_again,
-                                   rows, scatter_mean, transform_stack)
+from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides,
+                                   given_scatter_mean, refuse_again, rows, scatter_mean, transform_stack)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     GradInterpreter,
@@ -48,6 +48,7 @@ from funcshard._compat import (
     will_engine_execute_node,
 )
 from funcshard._runtime.part import Part
+from funcshard._runtime.saved import regather
 from funcshard._traced import apply_unsupported
 from funcshard._schedule import label, reduce_scatter_depth
 
@@ -456,7 +457,15 @@ class Fused(Part):
         """The group's gradients of this backward are all in: its post-backward."""
         fs.ran = [g is not _UNSET for g in fs.grads]
         grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
-        fs.grad_shards = self.step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
+        step = self.step
+        below = step.below and differentiated_below(step)
+        if below:  # (the gradients as plain autograd records them below the transform)
+            grads_below = [None if g is None else unwrapped(g) for g in grads]
+        fs.grad_shards = step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
+        if below and fs.grad_shards is not None:
+            with no_functorch(), torch.enable_grad():
+                fs.grad_shards = second_order_grads(step, name, grads_below, fs.grad_shards,
+                                                    functools.partial(_regather_all, step))
 
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
@@ -558,9 +567,12 @@ class _StepGather(torch.autograd.Function):
     @staticmethod
     @runtime_boundary
     def backward(ctx, *grads):
-        out = first_order(_second_order_dep(grads), ctx.step.fused.shard_grads())
+        step = ctx.step
+        if not get_interpreter_stack() and step.below and differentiated_below(step):
+            return (None, *_outer_shard_grads(step, grads))  # (plain autograd below the transform: differentiated_below)
+        out = first_order(_second_order_dep(grads), step.fused.shard_grads())
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
-            out = _tracked_below(ctx.step, out)
+            out = _tracked_below(step, out)
         return (None, *out)
 
 
@@ -707,18 +719,24 @@ def second_order(step, name: str) -> bool:
     return graph_backward(step) and not_differentiable(step, name) is None
 
 
-def second_order_grads(step, name: str, grads: list) -> list:
+def second_order_grads(step, name: str, grads: list, given: list | None = None, ready=None) -> list:
     """Group ``name``'s shard gradients in a ``create_graph=True`` backward: its full gradients ``grads`` (consumed)
     reduce-scattered and divided as its runtime would (the plan's buckets, divide factors and reduce dtype;
     ``_primitives.buckets``), by the differentiable collectives (``_primitives.rows``, ``scatter_mean``: the traced path's
     create_graph backward), so that differentiating them again gets every term through the gather, with the divide
     taken once per reverse level (``_primitives._Mean``). One reduce-scatter per bucket, synchronous (not the
     runtime's bucketed, overlapped one). The terms of the double backward read the group's unsharded parameters: the
-    step keeps them gathered (``GroupRun.free_after_backward``)."""
+    step keeps them gathered (``GroupRun.free_after_backward``).
+
+    ``given``: the shard gradients the runtime's first-order reduce-scatter made of ``grads`` already (under one
+    ``torch.func.grad`` level whose gradients plain autograd records below it: ``below``): returned as they are, as
+    functions of ``grads`` (``_primitives.given_scatter_mean``: no collective now; the transposes, after ``ready()``,
+    when differentiated)."""
     gb = step.groups[name]
     at = {p: i for i, p in enumerate(gb.group.params)}
-    out: list = [None] * len(at)
-    step.checks.collective(f"reduce-scatter of group {name!r} (create_graph backward)")
+    out: list = [None] * len(at) if given is None else list(given)
+    if given is None:
+        step.checks.collective(f"reduce-scatter of group {name!r} (create_graph backward)")
     for b in buckets(step.plan):
         taken = [(p, at[p.path]) for p in b.params if b.group == name and gb.grad_mask[at[p.path]]]
         if not taken:
@@ -729,9 +747,50 @@ def second_order_grads(step, name: str, grads: list) -> list:
             if g is None:  # (no gradient on this rank: zeros, as the runtime sends)
                 g = torch.zeros(p.shape, dtype=b.compute, device=gb.device)
             cols.append(rows(b, p, g.to_dense() if g.layout is not torch.strided else g))
-        flat = scatter_mean(b, torch.cat(cols, dim=1).to(b.reduce), step.pg, step.replicate_pg)
+        cols = torch.cat(cols, dim=1).to(b.reduce)
+        if given is None:
+            flat = scatter_mean(b, cols, step.pg, step.replicate_pg)
+        else:
+            values = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=cols.device) if given[i] is None
+                                 else given[i]).reshape(-1).to(b.reduce) for p, i in taken])
+            flat = given_scatter_mean(b, cols, values, step.pg, step.replicate_pg, ready)
         for (p, i), piece in zip(taken, flat.split([p.numel for p, _ in taken])):
             out[i] = piece.to(p.dtype).view(p.local_shape)
+    return out
+
+
+def differentiated_below(step) -> bool:
+    """Whether apply's ``step`` under one ``torch.func.grad`` level, whose gradients plain autograd records below the
+    transform (``step.below``), makes them exact there (MAML's meta-gradient by ``loss.backward()`` over an inner
+    ``torch.func.grad``): every group's reduce-scatter can be transposed (``not_differentiable``). Then the runtime
+    runs as at first order (schedule, collectives, frees), and its shard gradients are, below the transform, functions
+    of the full gradients autograd recorded there (``second_order_grads`` with ``given``: no collective then); a
+    backward through them gathers the step's groups again (``_regather_all``) and transposes the reduce-scatter, and
+    reaching the whole-step gather's node below the transform reduce-scatters its cotangents
+    (``_outer_shard_grads``): the traced path's terms. Else they refuse (``_tracked_below``)."""
+    return all(not_differentiable(step, name) is None for name in step.groups)
+
+
+def _regather_all(step) -> None:
+    """A backward below the transform differentiates the runtime's torch.func.grad gradients: the graph recorded there
+    reads the unsharded parameters (views of the step's buffers, freed after its backward): gather every group again
+    (``saved.regather``: the group's pre-backward), in the plan's order on every rank. (The gradients' graph holds the
+    step, as a gather node's context does; the step holds no graph.)"""
+    for name, gb in step.groups.items():
+        if gb.shards:
+            regather(step, name)
+
+
+def _outer_shard_grads(step, grads) -> list:
+    """The whole-step gather's node, reached by a backward below the torch.func.grad level (its outputs' cotangents
+    ``grads``, group by group): each group's reduce-scatter and divide, by ``second_order_grads`` (differentiable
+    where that backward is)."""
+    out, k = [], 0
+    for name, gb in step.groups.items():
+        n = len(gb.shards)
+        if n:
+            out.extend(second_order_grads(step, name, list(grads[k : k + n])))
+            k += n
     return out
 
 
@@ -743,7 +802,9 @@ def _tracked_below(step, grads):
     missing beside another term). ``step.below``: what apply's entry found (``below``); a step without it
     (fully_shard's) scans its state."""
     deps = step.below if getattr(step, "below", None) is not None else tracked(step.state.values())
-    return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    if not deps or (step.below and differentiated_below(step)):  # (exact: Fused._complete)
+        return grads
+    return refuse_again(_SECOND_ORDER, deps, grads)
 
 
 def below(state, inputs) -> list[torch.Tensor]:
