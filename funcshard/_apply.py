@@ -28,7 +28,12 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
 
     Differentiable with respect to ``state`` under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``jvp`` and
     plain autograd (``loss.backward()`` with ``requires_grad`` shards), by the runtime; other and nested transforms
-    (``vmap`` included) run the traced body (below). Gradients have the keys and local
+    (``vmap`` included) run the traced body (below). Under one ``torch.func.grad`` level over shards or inputs that
+    require grad (with grad mode on), its gradients are differentiable again by plain autograd below the transform
+    (MAML's meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad``): the runtime runs as at first
+    order, and that second backward gathers the groups again (except where a group's reduce-scatter cannot be
+    transposed: layout="flat", a comm hook, CPU offload, FSDP2's all-gather extension, model-sharded parameters; there
+    it raises ``NotImplementedError`` naming the group). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
     loss. ``state`` and the module's parameters are not modified.

@@ -643,6 +643,13 @@ _SECOND_ORDER = (
     "(torch.func.grad(grad(...)): apply runs the traced path), or use funcshard.traced_apply or funcshard.gather + "
     "torch.func.functional_call")
 
+_BELOW = (
+    "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
+    "differentiated again by plain autograd below the transform (MAML's meta-gradient by loss.backward() over an inner "
+    "torch.func.grad; the state or an input requires grad there), through group {group!r}, whose reduce-scatter "
+    "apply's runtime cannot transpose: {why}. The first-order values are right and were returned. Use a plan without "
+    "it, nest torch.func transforms (torch.func.grad(grad(...))), or funcshard.gather + torch.func.functional_call")
+
 _TANGENTS = (
     "funcshard.apply under {stack}: a tangent requires grad (plain autograd records it below the transform: a backward "
     "through jvp's outputs would differentiate it). apply runs its traced path for that, which does not run this plan "
@@ -768,7 +775,13 @@ def differentiated_below(step) -> bool:
     backward through them gathers the step's groups again (``_regather_all``) and transposes the reduce-scatter, and
     reaching the whole-step gather's node below the transform reduce-scatters its cotangents
     (``_outer_shard_grads``): the traced path's terms. Else they refuse (``_tracked_below``)."""
-    return all(not_differentiable(step, name) is None for name in step.groups)
+    return _not_transposed(step) is None
+
+
+def _not_transposed(step) -> tuple[str, str] | None:
+    """The first group of ``step`` (with shards) whose reduce-scatter cannot be transposed, and why; None: none."""
+    return next(((n, w) for n, gb in step.groups.items() if gb.shards and (w := not_differentiable(step, n)) is not None),
+                None)
 
 
 def _regather_all(step) -> None:
@@ -795,16 +808,19 @@ def _outer_shard_grads(step, grads) -> list:
 
 
 def _tracked_below(step, grads):
-    """The runtime's gradients under ``torch.func.grad``: below the transform (plain autograd recording it, because
-    the state under its wrappers requires grad, or an input does: MAML's meta-gradient by ``loss.backward()`` over an
-    inner ``torch.func.grad``) they depend on those tensors and raise ``_SECOND_ORDER`` when differentiated; before,
-    they were constants there and the second-order term was silently missing (through an input: a torch error, or
-    missing beside another term). ``step.below``: what apply's entry found (``below``); a step without it
-    (fully_shard's) scans its state."""
-    deps = step.below if getattr(step, "below", None) is not None else tracked(step.state.values())
-    if not deps or (step.below and differentiated_below(step)):  # (exact: Fused._complete)
+    """The runtime's gradients under ``torch.func.grad``, where plain autograd records them below the transform (the
+    state under its wrappers requires grad, or an input does: ``step.below``, what apply's entry found) and a group's
+    reduce-scatter cannot be transposed (``not_differentiable``; else they are exact: ``differentiated_below``): they
+    depend on those tensors and raise ``_BELOW`` naming the group when differentiated; before, they were constants
+    there and the second-order term was silently missing. A step without ``below`` (fully_shard's) scans its state
+    (``_SECOND_ORDER``)."""
+    if getattr(step, "below", None) is None:  # (not apply's step)
+        deps = tracked(step.state.values())
+        return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    why = _not_transposed(step) if step.below else None
+    if why is None:  # (nothing recorded below, or exact: Fused._complete)
         return grads
-    return refuse_again(_SECOND_ORDER, deps, grads)
+    return refuse_again(_BELOW.format(group=label(why[0]), why=why[1]), step.below, grads)
 
 
 def below(state, inputs) -> list[torch.Tensor]:
