@@ -236,7 +236,7 @@ def _paths(m, mesh, kw, compute=None):
 # same gradient's norm). (func_then_autograd_maml on apply: before, refused; its runtime's gradients are now exact
 # below the transform, strategies.differentiated_below)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "func_inputs_below", "func_then_autograd_gnorm", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+                  "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -368,6 +368,17 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(f)(s).values()), plan.mesh)
         return dict(zip(s, torch.autograd.grad(norm2, list(s.values()))))
 
+    def func_value_and_gnorm():  # (torch.func.grad_and_value: its value's gradient, then its gradient's norm's, by
+        s = leaves()  # plain autograd: two backwards through one graph)
+        gs, v = torch.func.grad_and_value(f)(s)
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in gs.values()), plan.mesh)
+        a = torch.autograd.grad(v, list(s.values()), retain_graph=True)
+        return {k: ak + bk for k, ak, bk in zip(s, a, torch.autograd.grad(norm2, list(s.values())))}
+
+    def ref_value_and_gnorm():
+        a, b = grad(ref)(full), grad(ref_gnorm)(full)
+        return sh(scaled({k: a[k] + b[k] for k in a}))
+
     def autograd_over_jvp():  # plain autograd through torch.func.jvp's tangent (reverse over forward)
         s = leaves()
         return dict(zip(s, torch.autograd.grad(jvp(f, (s,), (Vs,))[1], list(s.values()))))
@@ -408,6 +419,7 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_inputs_below": (func_inputs_below, ref_inputs_below),
         "func_then_autograd_gnorm": (func_then_autograd_gnorm, lambda: sh(scaled(grad(ref_gnorm)(full)))),
+        "func_value_and_gnorm": (func_value_and_gnorm, ref_value_and_gnorm),
         "autograd_over_jvp": (autograd_over_jvp, lambda: sh(scaled(grad(lambda p: jvp(ref, (p,), (V,))[1])(full)))),
         "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
                      lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
@@ -477,10 +489,11 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 26  # (_table_rows, but ONLY_NAMED)
+ROWS = 27  # (_table_rows, but ONLY_NAMED)
 ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
 SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls",  # (test_second_order_rows;
-               "func_inputs_below", "func_then_autograd_gnorm", "autograd_over_jvp")  # test_table: slow)
+               "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm",  # test_table: slow)
+               "autograd_over_jvp")
 # plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
 # penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
 CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")

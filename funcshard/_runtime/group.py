@@ -29,7 +29,7 @@ from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part, failing
 from funcshard._runtime.strategies import (FusedState, NodeState, differentiated_below, graph_backward,
-                                           take_grads_hook)
+                                           regather_below, take_grads_hook)
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -206,6 +206,8 @@ class GroupRun(Part):
         if not tensors:
             return output
         step = self.step
+        if step.below and single_grad_level() and differentiated_below(step):
+            regather_below(step, self.name, tensors)
         # A group without trainable parameters has no gather node in the graph to keep the step alive until its
         # backward: its hooks hold the step themselves (made per call, not kept by the step: no reference cycle).
         strong = not self.buffers.trainable

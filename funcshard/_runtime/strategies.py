@@ -794,6 +794,22 @@ def _regather_all(step) -> None:
             regather(step, name)
 
 
+def regather_below(step, name: str, outputs: list) -> None:
+    """Group ``name``'s ``outputs`` under the torch.func.grad level (``differentiated_below``): a hook on the tensors
+    below the transform gathers the group again when a backward there reaches them (the level's value, e.g.
+    ``grad_and_value``'s, differentiated by plain autograd: the group's operations read its unsharded parameters),
+    as the runtime's pre-backward hook does at the level."""
+    for t in outputs:
+        base = unwrapped(t)
+        if base is not t and base.requires_grad:
+            base.register_hook(functools.partial(_regather_hook, step, name))
+
+
+@runtime_boundary
+def _regather_hook(step, name: str, grad):
+    regather(step, name)  # (the graph holds the step, as a gather node's context does)
+
+
 def _outer_shard_grads(step, grads) -> list:
     """The whole-step gather's node, reached by a backward below the torch.func.grad level (its outputs' cotangents
     ``grads``, group by group): each group's reduce-scatter and divide, by ``second_order_grads`` (differentiable
