@@ -697,6 +697,37 @@ def _apply_create_graph():
             got = torch.autograd.grad(gx.pow(2).sum(), list(leaves.values()))
             want = funcshard.shard(plan, ref_penalty)
             out[name, "penalty"] = all(torch.allclose(a, want[k], rtol=1e-6, atol=1e-6) for k, a in zip(leaves, got))
+    out.update(_apply_create_graph_ext_tp(mesh))
+    return out
+
+
+def _apply_create_graph_ext_tp(mesh):
+    """What differentiating apply's create_graph gradients again raises through a group whose parameters define
+    FSDP2's all-gather extension (test_comm's int8 weights) and through model-sharded (tensor-parallel) parameters
+    (test_tp's model on a (dp=1, tp=2) mesh); their first-order values equal a plain backward's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import Block
+    from test_comm import _QBlock, _QMLP
+    from test_tp import _model as tp_model
+
+    torch.manual_seed(0)
+    tp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, plan in (("ext", funcshard.plan(_QMLP(), mesh, groups=(_QBlock,))),
+                       ("tp", funcshard.plan(tp_model(tp_mesh, "tp"), tp_mesh["dp"], groups=(Block,)))):
+        leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        x = torch.randn(4, 7)
+        loss = lambda: funcshard.apply(plan, leaves, x).pow(2).sum()  # noqa: E731
+        plain = torch.autograd.grad(loss(), list(leaves.values()))
+        gs = torch.autograd.grad(loss(), list(leaves.values()), create_graph=True)
+        out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
+        try:
+            torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
+            out[name, "again"] = "no error"
+        except NotImplementedError as e:
+            out[name, "again"] = str(e)
     return out
 
 
@@ -706,7 +737,8 @@ def test_apply_create_graph_collectives_and_refusals():
     create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
     the same first-order values bit for bit.
     Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
-    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
+    comm hook (its reduce-scatter would be bypassed), a CPU-offloading plan, a group with FSDP2's all-gather
+    extension and one with model-sharded (tensor-parallel) parameters; the WGAN-GP penalty on the flat plan
     is exact (its second backward is first order through the gather). On those plans, which apply's traced path does
     not run, a torch.func.jvp whose tangents require grad is refused naming why (elsewhere that path runs it); a
     torch.func.grad's norm differentiated by plain autograd w.r.t. the state or the inputs is refused naming the group
@@ -732,6 +764,13 @@ def test_apply_create_graph_collectives_and_refusals():
             if name != "comm":  # (its bf16 reduce-scatter)
                 assert max(out[name, "jvp below"]) < 1e-5, (name, out[name, "jvp below"])
         assert out["flat", "penalty"] is True, out
+        for name, groups, why in (("ext", ("blocks.0", "blocks.1"), r"its parameters define FSDP2's all-gather "
+                                   r"extension \(fsdp_pre_all_gather / fsdp_post_all_gather\)"),
+                                  ("tp", ("blocks.0", "blocks.1"), r"model-sharded \(tensor-parallel DTensor\) "
+                                   r"parameters \['blocks\.\d\.l1\.weight'")):
+            assert out[name, "same"], (name, out)
+            m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
+            assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
 
 
 def _counted(fn):
