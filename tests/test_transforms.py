@@ -665,11 +665,7 @@ def _apply_create_graph():
                                                                                  create_graph=True)))
         out[name, "counts"] = counts, len(buckets(plan))
         out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
-        try:
-            torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
-            out[name, "again"] = "no error"
-        except NotImplementedError as e:
-            out[name, "again"] = str(e)
+        out[name, "again"] = _differentiated_again(gs, leaves)
         if name != "per_block":  # (a torch.func.grad's norm differentiated below it: the state's, the inputs')
             xx = x.clone().requires_grad_()
             for below, wrt in (("below", leaves), ("inputs below", {"x": xx})):
@@ -723,12 +719,17 @@ def _apply_create_graph_ext_tp(mesh):
         plain = torch.autograd.grad(loss(), list(leaves.values()))
         gs = torch.autograd.grad(loss(), list(leaves.values()), create_graph=True)
         out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
-        try:
-            torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
-            out[name, "again"] = "no error"
-        except NotImplementedError as e:
-            out[name, "again"] = str(e)
+        out[name, "again"] = _differentiated_again(gs, leaves)
     return out
+
+
+def _differentiated_again(gs, leaves) -> str:
+    """create_graph gradients ``gs`` of ``leaves`` differentiated again (their squared norm): what it raises."""
+    try:
+        torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
+        return "no error"
+    except NotImplementedError as e:
+        return str(e)
 
 
 def test_apply_create_graph_collectives_and_refusals():
