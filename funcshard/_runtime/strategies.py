@@ -458,11 +458,11 @@ class Fused(Part):
         fs.ran = [g is not _UNSET for g in fs.grads]
         grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
         step = self.step
-        below = step.below and differentiated_below(step)
-        if below:  # (the gradients as plain autograd records them below the transform)
+        exact = step.below and differentiated_below(step)
+        if exact:  # (the gradients as plain autograd records them below the transform)
             grads_below = [None if g is None else unwrapped(g) for g in grads]
         fs.grad_shards = step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
-        if below and fs.grad_shards is not None:
+        if exact and fs.grad_shards is not None:
             with no_functorch(), torch.enable_grad():
                 fs.grad_shards = second_order_grads(step, name, grads_below, fs.grad_shards,
                                                     functools.partial(_regather_all, step))
@@ -636,12 +636,11 @@ def _saving_views():
 _SECOND_ORDER = (
     "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
     "differentiated again by plain autograd below the transform (MAML's meta-gradient by loss.backward() over an inner "
-    "torch.func.grad; the state or an input requires grad there): the runtime's whole-step gather under torch.func "
-    "reduce-scatters outside autograd, so the terms through the parameters' gather would be missing (a wrong second "
-    "derivative). The first-order values are right and were returned. Take the inner gradient with "
-    "torch.autograd.grad(..., create_graph=True) (apply's runtime differentiates it again), nest torch.func transforms "
-    "(torch.func.grad(grad(...)): apply runs the traced path), or use funcshard.traced_apply or funcshard.gather + "
-    "torch.func.functional_call")
+    "torch.func.grad): the runtime's whole-step gather under torch.func reduce-scatters outside autograd, so the terms "
+    "through the parameters' gather would be missing (a wrong second derivative). The first-order values are right "
+    "and were returned. Take the inner gradient with torch.autograd.grad(..., create_graph=True) (apply's runtime "
+    "differentiates it again), nest torch.func transforms (torch.func.grad(grad(...)): apply runs the traced path), or "
+    "use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
 
 _BELOW = (
     "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
@@ -842,13 +841,13 @@ def _tracked_below(step, grads):
 def below(state, inputs) -> list[torch.Tensor]:
     """Under one torch.func grad/vjp level entered with grad mode on, the tensors of the call (``state``'s values (a
     mapping; anything else is left to ``check_state``) and the leaves of ``inputs``) that plain autograd records
-    below the transform (``tracked``): the level's gradients depend on them there, and the runtime's (first order:
-    its reduce-scatter is outside autograd) refuse being differentiated again (``_tracked_below``). Not routed to the
-    traced path, which would be exact: whether plain autograd will differentiate the gradients is not known when
-    apply runs, and leaves that require grad under ``torch.func.grad`` are an ordinary first-order call (they keep
-    the runtime's schedule and memory). Empty otherwise: no transform, another stack (a jvp level: the runtime's
-    gather node is plain autograd's below it, ``GroupBuffers.grad_mask``; its tangents: ``tangents_below``), grad mode
-    off where the level was entered (nothing below records it)."""
+    below the transform (``tracked``): the level's gradients depend on them there, and the runtime makes them exact
+    there (``differentiated_below``) or refuse being differentiated again (``_tracked_below``). Not a reason to run
+    the traced path: whether plain autograd will differentiate the gradients is not known when apply runs, and leaves
+    that require grad under ``torch.func.grad`` are an ordinary first-order call (they keep the runtime's schedule).
+    Empty otherwise: no transform, another stack (a jvp level: the runtime's gather node is plain autograd's below
+    it, ``GroupBuffers.grad_mask``; its tangents: ``tangents_below``), grad mode off where the level was entered
+    (nothing below records it)."""
     stack = get_interpreter_stack()
     if not stack or len(stack) != 1 or stack[0].key() != TransformType.Grad:
         return []
