@@ -846,7 +846,10 @@ class _GivenScatter(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _divide_context(ctx, (None, *inputs[2:6]), output, "mean")
+        # (a _Mean where the divide after the reduce-scatter or the replica sum is one: scatter_mean has no _Mean
+        # there, and watch_means walks on through it, as through the reduce-scatter)
+        ctx.divides = inputs[2] != 1.0 or inputs[3] is not None
+        _divide_context(ctx, (None, *inputs[2:6]), output, "mean" if ctx.divides else None)
         ctx.world, ctx.ready = inputs[1].shape[0], inputs[6]
 
     @staticmethod
@@ -854,7 +857,7 @@ class _GivenScatter(torch.autograd.Function):
     def backward(ctx, u):
         if ctx.ready is not None:
             ctx.ready()
-        c = _mean_cotangent(ctx, u)
+        c = _mean_cotangent(ctx, u) if ctx.divides else u
         full = _Collective.apply(c, "all_gather", ctx.shard) if ctx.world > 1 else c
         return None, full.reshape(ctx.world, -1), None, None, None, None, None
 

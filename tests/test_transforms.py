@@ -251,7 +251,7 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
-    if row == "maml3" and divides:
+    if row in ("maml3", "func_then_autograd_maml3") and divides:
         return _THIRD
     if row == "ensemble_maml" and divides:
         return _BATCHED
@@ -383,6 +383,11 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         s = leaves()
         return dict(zip(s, torch.autograd.grad(jvp(f, (s,), (Vs,))[1], list(s.values()))))
 
+    def func_then_autograd_maml3():  # (MAML by plain autograd over torch.func.grad, create_graph=True; its squared
+        s = leaves()  # norm differentiated: three reverse levels, the inner gradient fed to a gather)
+        meta = dict(zip(s, torch.autograd.grad(maml(f, grad(f), LR)(s), list(s.values()), create_graph=True)))
+        return dict(zip(s, torch.autograd.grad(dot(meta, meta, True), list(s.values()))))
+
     def ref_maml(p):
         return maml(ref, lambda q: scaled(grad(ref)(q)), LR)(p)
 
@@ -433,6 +438,8 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                                                        lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
                   lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
+        "func_then_autograd_maml3": (func_then_autograd_maml3, lambda: sh(scaled(grad(
+            lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
         "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)),
                                                                    LR)(s))(xs.view(2, 3, 4)).sum())(state),
                        # (vmap between the levels: a meta-batch of two tasks)
@@ -490,7 +497,7 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
 
 
 ROWS = 27  # (_table_rows, but ONLY_NAMED)
-ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
+ONLY_NAMED = ("maml3", "func_then_autograd_maml3", "ensemble_maml")  # (test_third_reverse_level)
 SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls",  # (test_second_order_rows;
                "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm",  # test_table: slow)
                "autograd_over_jvp")
@@ -573,12 +580,13 @@ def test_table_over_plans(world, quick):
         _check_table(res, world)
 
 
-@pytest.mark.parametrize("paths", [("traced",),
+@pytest.mark.parametrize("paths", [("traced", "apply_sum"),
                                    pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
 def test_third_reverse_level(paths):
     """MAML's meta-gradient differentiated again (grad of its squared norm: three reverse levels, the inner gradient
-    fed to a gather), and MAML under vmap over stacked states (an ensemble): refused on a gather that divides
-    (traced_apply, apply's traced path, W=2), exact with factor 1 and on gather (slow: third order)."""
+    fed to a gather; by torch.func, and by plain autograd with create_graph=True over an inner torch.func.grad), and
+    MAML under vmap over stacked states (an ensemble): refused on a gather that divides (traced_apply, apply, W=2),
+    exact with factor 1 (apply's runtime below the torch.func level included) and on gather (slow: third order)."""
     for res in run_ranks(2, _table, ("root",), ONLY_NAMED, False, paths):
         assert len(res) == len(paths) * len(ONLY_NAMED), sorted(res)
         _check_table(res, 2)
