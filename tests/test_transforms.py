@@ -236,7 +236,8 @@ def _paths(m, mesh, kw, compute=None):
 # same gradient's norm). (func_then_autograd_maml on apply: before, refused; its runtime's gradients are now exact
 # below the transform, strategies.differentiated_below)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+                  "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm", "maml_gnorm",
+                  "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -549,8 +550,9 @@ def test_second_order_rows(world, hsdp):
     MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
     calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
     paths arrive summed); plain autograd below one torch.func level: a torch.func.grad's norm differentiated w.r.t.
-    the inputs (apply: refused, as its MAML by .backward(); before, a torch error), and a backward through
-    torch.func.jvp's tangent (apply: its runtime, right; before, no gradient)."""
+    the inputs and w.r.t. the state, grad_and_value's value and gradient norm differentiated (apply: its runtime,
+    exact; before, a torch error, the refusal, and a torch error), and a backward through torch.func.jvp's tangent
+    (apply: its runtime, exact; before, no gradient)."""
     quick = world == 2 and not hsdp
     plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
     for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
@@ -859,7 +861,7 @@ def _routed(plan, state, x):
         counted("vjp", lambda: torch.func.vjp(f, state)[1](torch.ones(())))
         counted("jvp", lambda: torch.func.jvp(f, (state,), (state,)))
         counted("value_and_grad", lambda: funcshard.value_and_grad(f)(leaves))
-        counted("grad, below", lambda: torch.func.grad(f)(leaves))  # (its gradients refuse a second level)
+        counted("grad, below", lambda: torch.func.grad(f)(leaves))  # (differentiable below it: no collective more)
         counted("jvp, below", lambda: torch.func.jvp(f, (leaves,), (state,)))
         counted("jvp, tangents below", lambda: torch.func.jvp(f, (state,), (leaves,)))  # (the traced path)
     finally:
@@ -918,7 +920,7 @@ def test_collective_counts():
     for path in ("gather", "traced"):
         assert out[path, "ensemble", 2] == out[path, "ensemble", 4] == out[path, "grad"] == per_group, out
     assert out["gather", "autograd"] == per_group, out
-    runtime, traced = ["ag"] * 6 + ["rs"] * 3, per_group  # (the runtime's groups resharded after forward)
+    runtime = ["ag"] * 6 + ["rs"] * 3  # (the runtime's groups resharded after forward, gathered again)
     assert out["apply"] == {"grad": (runtime, 0), "grad, no_grad": (runtime, 0), "vjp": (runtime, 0),
                             "jvp": (["ag"] * 6, 0), "value_and_grad": (runtime, 0), "grad, below": (runtime, 0),
                             "jvp, below": (["ag"] * 6, 0), "jvp, tangents below": (["ag"] * 6, 1)}, out["apply"]

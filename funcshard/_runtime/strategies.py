@@ -569,7 +569,7 @@ class _StepGather(torch.autograd.Function):
     def backward(ctx, *grads):
         step = ctx.step
         if not get_interpreter_stack() and step.below and differentiated_below(step):
-            return (None, *_outer_shard_grads(step, grads))  # (plain autograd below the transform: differentiated_below)
+            return (None, *_outer_shard_grads(step, grads))  # (plain autograd below the level: differentiated_below)
         out = first_order(_second_order_dep(grads), step.fused.shard_grads())
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
             out = _tracked_below(step, out)
@@ -779,8 +779,8 @@ def differentiated_below(step) -> bool:
 
 def _not_transposed(step) -> tuple[str, str] | None:
     """The first group of ``step`` (with shards) whose reduce-scatter cannot be transposed, and why; None: none."""
-    return next(((n, w) for n, gb in step.groups.items() if gb.shards and (w := not_differentiable(step, n)) is not None),
-                None)
+    return next(((n, w) for n, gb in step.groups.items()
+                 if gb.shards and (w := not_differentiable(step, n)) is not None), None)
 
 
 def _regather_all(step) -> None:
