@@ -798,10 +798,16 @@ def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
     full = full.view(b.world, -1)
     out, k = [], 0
     for p in b.params:
-        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+        out.append(column(b, p, full[:, k : k + p.numel]))
         k += p.numel
-        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
     return tuple(out)
+
+
+def column(b: Bucket, p: Param, cols: torch.Tensor) -> torch.Tensor:
+    """One parameter of the bucket out of its columns ``(world, p.numel)`` of the all-gather layout (every rank's
+    shard; padding dropped): ``rows``' transpose."""
+    piece = cols.reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+    return unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape)
 
 
 def rows(b: Bucket, p: Param, g: torch.Tensor) -> torch.Tensor:
@@ -832,46 +838,55 @@ def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.
 
 
 class _GivenScatter(torch.autograd.Function):
-    """``scatter_mean``'s reduce-scatter and the ``_Mean`` after it, for a result computed already: ``values`` (this
-    rank's ``(n,)``, apply's runtime's first-order reduce-scatter under one ``torch.func.grad`` level) returned as
-    they are, as a function of ``cols`` (the columns ``scatter_mean`` reduce-scatters, with the graph plain autograd
-    recorded below the transform). Its backward is that of the reduce-scatter and ``_Mean`` (a ``_Mean`` node for
-    ``watch_means``: the identity on a path through another gather, else the transpose), then the gather of the
-    cotangent; ``ready()`` first (the runtime gathers the groups the graph below reads). No collective in forward:
-    the runtime's schedule stays as it was."""
+    """``scatter_mean`` of a bucket's full gradients for shard gradients computed already: ``given`` (this rank's, one
+    per parameter ``ps``: apply's runtime's first-order reduce-scatter under one ``torch.func.grad`` level) returned
+    as they are, as functions of ``grads`` (the full gradients, with the graph plain autograd recorded below the
+    transform). Nothing is computed in forward (no collective, no copy: the runtime's schedule and speed stay);
+    backward is ``scatter_mean``'s: the ``_Mean`` after the reduce-scatter (a ``_Mean`` node for ``watch_means`` where
+    there is one: the identity on a path through another gather, else the transpose), the gather of the cotangent,
+    the divide before it and ``rows``' transpose (``column``); ``ready()`` first (the runtime gathers the groups the
+    graph below reads)."""
 
     @staticmethod
-    def forward(values, cols, factor, group, keep, shard, ready):
-        return values.view_as(values)
+    def forward(meta, *tensors):
+        return tuple(t.view_as(t) for t in tensors[: len(meta[0])])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        (ps, b, group, replicate, ready) = ctx.meta = inputs[0]
+        ctx.divides = b.after != 1.0 or replicate is not None
         # (a _Mean where the divide after the reduce-scatter or the replica sum is one: scatter_mean has no _Mean
         # there, and watch_means walks on through it, as through the reduce-scatter)
-        ctx.divides = inputs[2] != 1.0 or inputs[3] is not None
-        _divide_context(ctx, (None, *inputs[2:6]), output, "mean" if ctx.divides else None)
-        ctx.world, ctx.ready = inputs[1].shape[0], inputs[6]
+        _divide_context(ctx, (None, b.after, replicate, b.before, group), output, "mean" if ctx.divides else None)
+        ctx.dtypes = [None if t is None else t.dtype for t in inputs[1 + len(ps):]]  # (None: no gradient came)
 
     @staticmethod
     @untraced
-    def backward(ctx, u):
-        if ctx.ready is not None:
-            ctx.ready()
+    def backward(ctx, *us):
+        ps, b, group, _, ready = ctx.meta
+        if ready is not None:
+            ready()
+        u = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=us[0].device) if g is None else g)
+                       .reshape(-1).to(b.reduce) for p, g in zip(ps, us)])  # (in any case one is not None)
         c = _mean_cotangent(ctx, u) if ctx.divides else u
-        full = _Collective.apply(c, "all_gather", ctx.shard) if ctx.world > 1 else c
-        return None, full.reshape(ctx.world, -1), None, None, None, None, None
+        full = _Collective.apply(c, "all_gather", group) if b.world > 1 else c
+        cols = mean(full, b.before, shard=group).view(b.world, -1)
+        out, k = [], 0
+        for p, dt in zip(ps, ctx.dtypes):
+            out.append(None if dt is None else column(b, p, cols[:, k : k + p.numel]).to(dt))
+            k += p.numel
+        return (None, *[None] * len(ps), *out)
 
 
-def given_scatter_mean(b: Bucket, cols: torch.Tensor, values: torch.Tensor, group, replicate=None,
-                       ready=None) -> torch.Tensor:
-    """``scatter_mean(b, cols, group, replicate)`` whose value is ``values``, computed already (``_GivenScatter``):
-    the divide before the reduce-scatter is ``_Mean``'s on ``cols`` (no collective), the rest is transposed in
-    backward. ``ready``: called first in backward."""
-    # (under a torch.func level (its backward: the runtime's gradient hooks), on the plain tensors below it, with
-    # functorch off: Function.apply would hand them to functorch; the C++ apply records them in plain autograd)
-    if b.before != 1.0:
-        cols = _plain_apply(_Mean, cols, b.before, None, 1.0, group)
-    return _plain_apply(_GivenScatter, values, cols, b.after, replicate, b.before, group, ready)
+def given_scatter_mean(b: Bucket, ps: list, given: list, grads: list, group, replicate=None,
+                       ready=None) -> tuple[torch.Tensor, ...]:
+    """``scatter_mean`` of the bucket's parameters ``ps``' full gradients ``grads`` (by ``rows``; ``b.params``' or some
+    of them, in their order, the same on every rank; None: none came, zeros), whose value is ``given`` (their shard
+    gradients, computed already: ``_GivenScatter``);
+    ``ready``: called first in backward. Under a torch.func level (its backward: the runtime's gradient hooks), on the
+    plain tensors below it, with functorch off: Function.apply would hand them to functorch; the C++ apply records them
+    in plain autograd."""
+    return _plain_apply(_GivenScatter, (ps, b, group, replicate, ready), *given, *grads)
 
 
 def _plain_apply(fn: type[torch.autograd.Function], *args):

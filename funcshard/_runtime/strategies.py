@@ -747,19 +747,22 @@ def second_order_grads(step, name: str, grads: list, given: list | None = None, 
         taken = [(p, at[p.path]) for p in b.params if b.group == name and gb.grad_mask[at[p.path]]]
         if not taken:
             continue
+        if given is not None:  # (no op now: the full gradients' transposes are taken when differentiated; the
+            # same parameters on every rank, as the runtime's reduce-scatter: a missing one as zeros)
+            values = [torch.zeros(p.local_shape, dtype=p.dtype, device=gb.device) if given[i] is None else given[i]
+                      for p, i in taken]
+            for (_, i), g in zip(taken, given_scatter_mean(b, [p for p, _ in taken], values,
+                                                           [grads[i] for _, i in taken], step.pg,
+                                                           step.replicate_pg, ready)):
+                out[i] = g
+            continue
         cols = []
         for p, i in taken:
             g, grads[i] = grads[i], None
             if g is None:  # (no gradient on this rank: zeros, as the runtime sends)
                 g = torch.zeros(p.shape, dtype=b.compute, device=gb.device)
             cols.append(rows(b, p, g.to_dense() if g.layout is not torch.strided else g))
-        cols = torch.cat(cols, dim=1).to(b.reduce)
-        if given is None:
-            flat = scatter_mean(b, cols, step.pg, step.replicate_pg)
-        else:
-            values = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=cols.device) if given[i] is None
-                                 else given[i]).reshape(-1).to(b.reduce) for p, i in taken])
-            flat = given_scatter_mean(b, cols, values, step.pg, step.replicate_pg, ready)
+        flat = scatter_mean(b, torch.cat(cols, dim=1).to(b.reduce), step.pg, step.replicate_pg)
         for (p, i), piece in zip(taken, flat.split([p.numel for p, _ in taken])):
             out[i] = piece.to(p.dtype).view(p.local_shape)
     return out
