@@ -866,8 +866,9 @@ class _GivenScatter(torch.autograd.Function):
         ps, b, group, _, ready = ctx.meta
         if ready is not None:
             ready()
-        u = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=us[0].device) if g is None else g)
-                       .reshape(-1).to(b.reduce) for p, g in zip(ps, us)])  # (in any case one is not None)
+        device = next(g for g in us if g is not None).device  # (autograd calls it with one at least)
+        u = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=device) if g is None else g)
+                       .reshape(-1).to(b.reduce) for p, g in zip(ps, us)])
         c = _mean_cotangent(ctx, u) if ctx.divides else u
         full = _Collective.apply(c, "all_gather", group) if b.world > 1 else c
         cols = mean(full, b.before, shard=group).view(b.world, -1)
