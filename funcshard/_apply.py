@@ -13,7 +13,7 @@ from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
-from funcshard._runtime.strategies import below, tangents_below, tangents_refusal
+from funcshard._runtime.strategies import below, tangents_below
 from funcshard._shard import check_state
 from funcshard._traced import apply_unsupported, buckets, run as traced_run
 from funcshard._compat import TransformType, get_interpreter_stack
@@ -139,6 +139,19 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     return True
 
 
+_TANGENTS = (
+    "funcshard.apply under {stack}: a tangent requires grad (plain autograd records it below the transform: a backward "
+    "through jvp's outputs would differentiate it). apply runs its traced path for that, which does not run this plan "
+    "({why}), and the runtime's gather of the tangents is outside autograd, so the terms through it would be missing. "
+    "Pass tangents that do not require grad (detach them) if nothing differentiates them, or use funcshard.gather + "
+    "torch.func.functional_call, or a plan funcshard.traced_apply runs")
+
+
+def _tangents_refusal(plan: Plan) -> str:
+    """``_TANGENTS`` for ``plan``, naming why apply's traced path does not run it."""
+    return _TANGENTS.format(stack=transform_stack(get_interpreter_stack()), why="; ".join(apply_unsupported(plan)))
+
+
 @runtime_boundary
 def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
            compiled: bool = False) -> tuple[Step | None, tuple, dict]:
@@ -150,7 +163,7 @@ def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: d
     stack = get_interpreter_stack()
     if stack and stack[0].key() == TransformType.Jvp and apply_unsupported(plan) and tangents_below(state, (args,
                                                                                                         kwargs)):
-        raise NotImplementedError(tangents_refusal(plan))  # (a plan the traced path does not run: _nested)
+        raise NotImplementedError(_tangents_refusal(plan))  # (a plan the traced path does not run: _nested)
     step = Step(plan, dict(state))
     step.below = below(state, (args, kwargs))  # (one grad level: what plain autograd records below it)
     step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)

@@ -34,7 +34,7 @@ from torch.autograd.forward_ad import unpack_dual
 from funcshard._collectives import no_functorch, unwrapped
 from funcshard._pipeline import jvp_of_gather
 from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides,
-                                   given_scatter_mean, refuse_again, rows, scatter_mean, transform_stack)
+                                   given_scatter_mean, refuse_again, rows, scatter_mean)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
     GradInterpreter,
@@ -48,8 +48,6 @@ from funcshard._compat import (
     will_engine_execute_node,
 )
 from funcshard._runtime.part import Part
-from funcshard._runtime.saved import regather
-from funcshard._traced import apply_unsupported
 from funcshard._schedule import label, reduce_scatter_depth
 
 if TYPE_CHECKING:
@@ -649,19 +647,6 @@ _BELOW = (
     "apply's runtime cannot transpose: {why}. The first-order values are right and were returned. Use a plan without "
     "it, nest torch.func transforms (torch.func.grad(grad(...))), or funcshard.gather + torch.func.functional_call")
 
-_TANGENTS = (
-    "funcshard.apply under {stack}: a tangent requires grad (plain autograd records it below the transform: a backward "
-    "through jvp's outputs would differentiate it). apply runs its traced path for that, which does not run this plan "
-    "({why}), and the runtime's gather of the tangents is outside autograd, so the terms through it would be missing. "
-    "Pass tangents that do not require grad (detach them) if nothing differentiates them, or use funcshard.gather + "
-    "torch.func.functional_call, or a plan funcshard.traced_apply runs")
-
-
-def tangents_refusal(plan) -> str:
-    """``_TANGENTS`` for ``plan``, naming why apply's traced path does not run it."""
-    return _TANGENTS.format(stack=transform_stack(get_interpreter_stack()), why="; ".join(apply_unsupported(plan)))
-
-
 _NOT_DIFFERENTIABLE = (
     "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
     "reduce-scatter apply's runtime cannot make differentiable: {why}. The first-order values are right and were "
@@ -789,11 +774,11 @@ def _not_transposed(step) -> tuple[str, str] | None:
 def _regather_all(step) -> None:
     """A backward below the transform differentiates the runtime's torch.func.grad gradients: the graph recorded there
     reads the unsharded parameters (views of the step's buffers, freed after its backward): gather every group again
-    (``saved.regather``: the group's pre-backward), in the plan's order on every rank. (The gradients' graph holds the
+    (``Step.regather``: the group's pre-backward), in the plan's order on every rank. (The gradients' graph holds the
     step, as a gather node's context does; the step holds no graph.)"""
     for name, gb in step.groups.items():
         if gb.shards:
-            regather(step, name)
+            step.regather(name)
 
 
 def regather_below(step, name: str, outputs: list) -> None:
@@ -809,7 +794,7 @@ def regather_below(step, name: str, outputs: list) -> None:
 
 @runtime_boundary
 def _regather_hook(step, name: str, grad):
-    regather(step, name)  # (the graph holds the step, as a gather node's context does)
+    step.regather(name)  # (the graph holds the step, as a gather node's context does)
 
 
 def _outer_shard_grads(step, grads) -> list:
