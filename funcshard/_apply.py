@@ -13,8 +13,9 @@ from funcshard._mesh import check_mesh
 from funcshard._plan import Plan
 from funcshard._runtime import Step
 from funcshard._runtime.step import buffer_update_error
+from funcshard._runtime.strategies import below, tangents_below
 from funcshard._shard import check_state
-from funcshard._traced import buckets, run as traced_run, unsupported
+from funcshard._traced import apply_unsupported, buckets, run as traced_run
 from funcshard._compat import TransformType, get_interpreter_stack
 
 
@@ -27,7 +28,12 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
 
     Differentiable with respect to ``state`` under ``torch.func.grad`` / ``grad_and_value`` / ``vjp`` / ``jvp`` and
     plain autograd (``loss.backward()`` with ``requires_grad`` shards), by the runtime; other and nested transforms
-    (``vmap`` included) run the traced body (below). Gradients have the keys and local
+    (``vmap`` included) run the traced body (below). Under one ``torch.func.grad`` level over shards or inputs that
+    require grad (with grad mode on), its gradients are differentiable again by plain autograd below the transform
+    (MAML's meta-gradient by ``loss.backward()`` over an inner ``torch.func.grad``): the runtime runs as at first
+    order, and that second backward gathers the groups again (except where a group's reduce-scatter cannot be
+    transposed: layout="flat", a comm hook, CPU offload, FSDP2's all-gather extension, model-sharded parameters; there
+    it raises ``NotImplementedError`` naming the group). Gradients have the keys and local
     shapes of ``state`` and are divided once by ``plan.divide_factor`` (default: the number of data-parallel
     ranks), so each rank computing the mean loss of its local batch yields the gradient of the global mean
     loss. ``state`` and the module's parameters are not modified.
@@ -72,11 +78,12 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # (a transform stack apply's runtime does not take: the traced path, which composes. Not asked while dynamo
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
-    if not torch.compiler.is_compiling() and _nested(plan):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _nested(plan, state, args, kwargs):
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
-    step, args, kwargs = _enter(plan, state, args, kwargs, torch.compiler.is_compiling())
+    step, args, kwargs = _enter(plan, state, args, kwargs, compiling)
     if step is None:  # (one grad/jvp level over a state made from a gradient through the gathers: _adapted)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
     try:
@@ -89,19 +96,20 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan) -> bool:
-    """Whether a torch.func transform stack other than the runtime's own (none, or one grad/vjp or jvp level) is
-    active, and the traced mode runs the plan (else apply's ``check_transforms`` refuses it)."""
+def _nested(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a torch.func transform stack other than the runtime's own is active, and the traced mode runs the plan
+    (else apply's ``check_transforms`` refuses it). The runtime's own: none, one grad/vjp level, or one jvp level
+    whose tangents plain autograd does not record below it (``strategies.tangents_below``: their gather is the
+    traced path's, differentiable)."""
     stack = get_interpreter_stack()
-    if not stack or (len(stack) == 1 and stack[0].key() in (TransformType.Grad, TransformType.Jvp)):
+    if not stack:
         return False
-    return _traced_runs(plan)
-
-
-def _traced_runs(plan: Plan) -> bool:
-    """Whether the traced mode runs ``plan`` for apply (nested transforms)."""
-    return not (unsupported(plan) or any(s.model is not None for s in plan.specs.values())
-                or any(g.offload_to_cpu for g in plan.groups))
+    if len(stack) == 1:
+        key = stack[0].key()
+        if key == TransformType.Grad or (key == TransformType.Jvp and not (
+                isinstance(state, Mapping) and tangents_below(state, (args, kwargs)))):
+            return False
+    return not apply_unsupported(plan)
 
 
 def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
@@ -121,14 +129,27 @@ def _adapted(plan: Plan, state: Mapping[str, torch.Tensor]) -> bool:
     refuse_series([state[p.path] for b in buckets(plan) if divides(b) for p in b.params], "funcshard.apply")
     if not depends_on_gradient(state.values()):
         return False
-    if not _traced_runs(plan):
+    if apply_unsupported(plan):
         raise NotImplementedError(
             f"funcshard.apply under {transform_stack(stack) if stack else 'plain autograd'} of a state made from a "
             f"gradient taken through a gather "
             f"(MAML's adapted state): its second derivative needs the traced path, which does not run this plan "
-            f"({'; '.join(unsupported(plan)) or 'model-sharded parameters or offloaded groups'}); call "
+            f"({'; '.join(apply_unsupported(plan))}); call "
             f"funcshard.gather + torch.func.functional_call there, or use a plan funcshard.traced_apply runs")
     return True
+
+
+_TANGENTS = (
+    "funcshard.apply under {stack}: a tangent requires grad (plain autograd records it below the transform: a backward "
+    "through jvp's outputs would differentiate it). apply runs its traced path for that, which does not run this plan "
+    "({why}), and the runtime's gather of the tangents is outside autograd, so the terms through it would be missing. "
+    "Pass tangents that do not require grad (detach them) if nothing differentiates them, or use funcshard.gather + "
+    "torch.func.functional_call, or a plan funcshard.traced_apply runs")
+
+
+def _tangents_refusal(plan: Plan) -> str:
+    """``_TANGENTS`` for ``plan``, naming why apply's traced path does not run it."""
+    return _TANGENTS.format(stack=transform_stack(get_interpreter_stack()), why="; ".join(apply_unsupported(plan)))
 
 
 @runtime_boundary
@@ -139,7 +160,12 @@ def _enter(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: d
     if _adapted(plan, state):  # (no Step: apply runs the traced path)
         return None, args, kwargs
     check_transforms("funcshard.apply")
+    stack = get_interpreter_stack()
+    if stack and stack[0].key() == TransformType.Jvp and apply_unsupported(plan) and tangents_below(state, (args,
+                                                                                                        kwargs)):
+        raise NotImplementedError(_tangents_refusal(plan))  # (a plan the traced path does not run: _nested)
     step = Step(plan, dict(state))
+    step.below = below(state, (args, kwargs))  # (one grad level: what plain autograd records below it)
     step.saved.off = compiled  # (dynamo traces the module's forward: no saved-tensor hooks in it)
     return step, *step.open_forward(args, kwargs)
 

@@ -51,6 +51,12 @@ maybe_current_level = require("torch._C._functorch.maybe_current_level")  # the 
 get_dynamic_layer_stack_depth = require("torch._C._functorch.get_dynamic_layer_stack_depth")  # the active transforms
 # (how many: dynamo reads it while tracing, a constant with a guard)
 TransformType = require("torch._C._functorch.TransformType")  # Grad, Jvp, Vmap, ... (an interpreter's key())
+# whether an autograd.Function may be applied by the C++ apply while torch.func transforms are active (on plain
+# tensors, functorch disabled: what torch.func's own custom_function_call does)
+single_level_function_allowed = require("torch._C._functorch.get_single_level_autograd_function_allowed")
+allow_single_level_function = require("torch._C._functorch.set_single_level_autograd_function_allowed")
+GradInterpreter = require("torch._C._functorch.CGradInterpreterPtr")  # a Grad level's interpreter:
+# ``GradInterpreter(stack[i]).prevGradMode()``, the grad mode of the level below it (plain autograd's for stack[0])
 DisableFuncTorch = require("torch._C._DisableFuncTorch")  # context manager: functorch off inside
 DisableTorchFunctionSubclass = require("torch._C.DisableTorchFunctionSubclass")  # context manager
 dispatch_keys = require("torch._C._dispatch_keys")  # a tensor's DispatchKeySet
@@ -312,7 +318,9 @@ __all__ = [
     "apply_to_tensors",
     "SUPPORTED", "require",
     "get_unwrapped", "is_functorch_wrapped_tensor", "is_batchedtensor", "unwrap_if_dead", "get_interpreter_stack",
-    "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "DisableFuncTorch",
+    "maybe_current_level", "get_dynamic_layer_stack_depth", "never_inlined", "TransformType", "GradInterpreter",
+    "single_level_function_allowed", "allow_single_level_function",
+    "DisableFuncTorch",
     "is_compiled_backward",
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",

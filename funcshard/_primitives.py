@@ -28,8 +28,9 @@ from funcshard._collectives import (
     wait_work,
 )
 from funcshard._compat import (TransformType, assume_constant_result, current_graph_task_id, dispatch_keys,
-                              get_interpreter_stack, get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor,
-                              never_inlined)
+                              allow_single_level_function, function_base_apply, get_interpreter_stack,
+                              get_unwrapped, is_compiled_backward, is_functorch_wrapped_tensor, never_inlined,
+                              single_level_function_allowed)
 from funcshard._mesh import shard_group
 from funcshard._policy import compute_dtype, divide_factors, reduce_dtype_of
 from funcshard._spec import ShardSpec, from_split, unpad
@@ -572,25 +573,7 @@ class _Mean(torch.autograd.Function):
     @staticmethod
     @untraced
     def backward(ctx, c):
-        mark, paths = ctx.metadata.get(_HOW), ctx.metadata.get(_PATHS)
-        how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
-        if getattr(ctx, "_funcshard_batched", False):
-            how = "batched"
-        elif how == "other" and paths is not None:
-            how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
-        if how in ("gathers", "mixed") and paths is not None:
-            how = _agreed(how, ctx, c)
-        if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
-        if how == "mixed":
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
-        if how == "batched":
-            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
-        if how == "gathers":
-            if _again():
-                raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
-            return (c if ctx.keep == 1.0 else c * ctx.keep), None, None, None, None
-        return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard), None, None, None, None
+        return _mean_cotangent(ctx, c), None, None, None, None
 
     @staticmethod
     @untraced
@@ -601,6 +584,30 @@ class _Mean(torch.autograd.Function):
     @untraced
     def vmap(info, in_dims, x, factor, group, keep, shard):
         return _Mean.apply(x, factor, group, keep, shard), in_dims[0]
+
+
+def _mean_cotangent(ctx, c: torch.Tensor) -> torch.Tensor:
+    """A ``_Mean`` node's (or ``_GivenScatter``'s) cotangent for its input: the identity (times ``keep``) on a path
+    through another gather, the transpose otherwise (the section's comment), or the refusals."""
+    mark, paths = ctx.metadata.get(_HOW), ctx.metadata.get(_PATHS)
+    how = mark[1] if mark is not None and mark[0] == current_graph_task_id() else "other"
+    if getattr(ctx, "_funcshard_batched", False):
+        how = "batched"
+    elif how == "other" and paths is not None:
+        how = "mixed"  # (a gather's input depends on it, yet none of that gather's cotangent was seen: refused)
+    if how in ("gathers", "mixed") and paths is not None:
+        how = _agreed(how, ctx, c)
+    if how in ("other", "gathers") and getattr(ctx, "_funcshard_unwatched", False):
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_UNWATCHED}")
+    if how == "mixed":
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_MIXED}")
+    if how == "batched":
+        raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_BATCHED}")
+    if how == "gathers":
+        if _again():
+            raise NotImplementedError(f"funcshard, a backward under {transform_stack()}: {_THIRD}")
+        return c if ctx.keep == 1.0 else c * ctx.keep
+    return _Mean.apply(c, ctx.factor, ctx.group, ctx.keep, ctx.shard)
 
 
 def _agreed(how: str, ctx, c: torch.Tensor) -> str:
@@ -791,10 +798,16 @@ def unflatten(b: Bucket, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
     full = full.view(b.world, -1)
     out, k = [], 0
     for p in b.params:
-        piece = full[:, k : k + p.numel].reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+        out.append(column(b, p, full[:, k : k + p.numel]))
         k += p.numel
-        out.append(unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape))
     return tuple(out)
+
+
+def column(b: Bucket, p: Param, cols: torch.Tensor) -> torch.Tensor:
+    """One parameter of the bucket out of its columns ``(world, p.numel)`` of the all-gather layout (every rank's
+    shard; padding dropped): ``rows``' transpose."""
+    piece = cols.reshape(b.world, *p.local_shape)  # (W, *local_shape): every rank's shard
+    return unpad(from_split(piece, p.dim, p.padded_shape), p.dim, p.size, p.padding, p.shape)
 
 
 def rows(b: Bucket, p: Param, g: torch.Tensor) -> torch.Tensor:
@@ -822,6 +835,70 @@ def scatter_mean(b: Bucket, cols: torch.Tensor, group, replicate=None) -> torch.
     out = mean(cols, b.before, shard=group).reshape(-1)
     out = _Collective.apply(out, "reduce_scatter", group) if b.world > 1 else out
     return mean(out, b.after, replicate, b.before, group)
+
+
+class _GivenScatter(torch.autograd.Function):
+    """``scatter_mean`` of a bucket's full gradients for shard gradients computed already: ``given`` (this rank's, one
+    per parameter ``ps``: apply's runtime's first-order reduce-scatter under one ``torch.func.grad`` level) returned
+    as they are, as functions of ``grads`` (the full gradients, with the graph plain autograd recorded below the
+    transform). Nothing is computed in forward (no collective, no copy: the runtime's schedule and speed stay);
+    backward is ``scatter_mean``'s: the ``_Mean`` after the reduce-scatter (a ``_Mean`` node for ``watch_means`` where
+    there is one: the identity on a path through another gather, else the transpose), the gather of the cotangent,
+    the divide before it and ``rows``' transpose (``column``); ``ready()`` first (the runtime gathers the groups the
+    graph below reads)."""
+
+    @staticmethod
+    def forward(meta, *tensors):
+        return tuple(t.view_as(t) for t in tensors[: len(meta[0])])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (ps, b, group, replicate, ready) = ctx.meta = inputs[0]
+        ctx.divides = b.after != 1.0 or replicate is not None
+        # (a _Mean where the divide after the reduce-scatter or the replica sum is one: scatter_mean has no _Mean
+        # there, and watch_means walks on through it, as through the reduce-scatter)
+        _divide_context(ctx, (None, b.after, replicate, b.before, group), output, "mean" if ctx.divides else None)
+        ctx.dtypes = [None if t is None else t.dtype for t in inputs[1 + len(ps):]]  # (None: no gradient came)
+
+    @staticmethod
+    @untraced
+    def backward(ctx, *us):
+        ps, b, group, _, ready = ctx.meta
+        if ready is not None:
+            ready()
+        device = next(g for g in us if g is not None).device  # (autograd calls it with one at least)
+        u = torch.cat([(torch.zeros(p.local_shape, dtype=b.reduce, device=device) if g is None else g)
+                       .reshape(-1).to(b.reduce) for p, g in zip(ps, us)])
+        c = _mean_cotangent(ctx, u) if ctx.divides else u
+        full = _Collective.apply(c, "all_gather", group) if b.world > 1 else c
+        cols = mean(full, b.before, shard=group).view(b.world, -1)
+        out, k = [], 0
+        for p, dt in zip(ps, ctx.dtypes):
+            out.append(None if dt is None else column(b, p, cols[:, k : k + p.numel]).to(dt))
+            k += p.numel
+        return (None, *[None] * len(ps), *out)
+
+
+def given_scatter_mean(b: Bucket, ps: list, given: list, grads: list, group, replicate=None,
+                       ready=None) -> tuple[torch.Tensor, ...]:
+    """``scatter_mean`` of the bucket's parameters ``ps``' full gradients ``grads`` (by ``rows``; ``b.params``' or some
+    of them, in their order, the same on every rank; None: none came, zeros), whose value is ``given`` (their shard
+    gradients, computed already: ``_GivenScatter``);
+    ``ready``: called first in backward. Under a torch.func level (its backward: the runtime's gradient hooks), on the
+    plain tensors below it, with functorch off: Function.apply would hand them to functorch; the C++ apply records them
+    in plain autograd."""
+    return _plain_apply(_GivenScatter, (ps, b, group, replicate, ready), *given, *grads)
+
+
+def _plain_apply(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` by the C++ apply (plain autograd), also where torch.func transforms are active (with
+    functorch disabled, on plain tensors)."""
+    allowed = single_level_function_allowed()
+    allow_single_level_function(True)
+    try:
+        return fn.apply(*args) if function_base_apply is None else function_base_apply.__get__(None, fn)(*args)
+    finally:
+        allow_single_level_function(allowed)
 
 
 def gather_bucket(b: Bucket, shards, group, replicate=None, what: str = "funcshard.gather") -> tuple[torch.Tensor, ...]:

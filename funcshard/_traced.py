@@ -105,6 +105,18 @@ def unsupported(plan: Plan) -> list[str]:
     return problems
 
 
+def apply_unsupported(plan: Plan) -> list[str]:
+    """What of ``plan`` ``funcshard.apply``'s traced path (nested transforms, a state made from a gradient, results
+    differentiated below one torch.func level) does not run: ``unsupported``'s, and model-sharded parameters and
+    offloaded groups (empty: all of it)."""
+    problems = unsupported(plan)
+    if model := [p for p, s in plan.specs.items() if s.model is not None]:
+        problems.append(f"model-sharded (tensor-parallel DTensor) parameters {model}")
+    if offloaded := [label(g.name) for g in plan.groups if g.offload_to_cpu]:
+        problems.append(f"groups {offloaded} offload to the host (CPUOffloadPolicy)")
+    return problems
+
+
 def _check(plan: Plan) -> None:
     if problems := [p for p in unsupported(plan) if "comm hooks" not in p]:
         raise NotImplementedError(f"funcshard.traced_apply does not support {'; '.join(problems)}; "

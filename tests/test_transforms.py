@@ -231,11 +231,13 @@ def _paths(m, mesh, kw, compute=None):
 
 
 # two reverse levels: exact on every path with the plan's factor and over HSDP (before: refused at W > 1 and on HSDP
-# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but on apply's
-# runtime (below) and where one inner gradient reaches the outer loss both through a gather and otherwise
-# (maml_and_gnorm: MAML's step plus that same gradient's norm)
+# meshes; MAML's second-order term 1/W off, or the replicas' sum twice, silently, before the refusals), but where one
+# inner gradient reaches the outer loss both through a gather and otherwise (maml_and_gnorm: MAML's step plus that
+# same gradient's norm). (func_then_autograd_maml on apply: before, refused; its runtime's gradients are now exact
+# below the transform, strategies.differentiated_below)
 SECOND_REVERSE = ("grad_gnorm", "autograd_double", "hvp_grad", "maml", "autograd_maml", "func_then_autograd_maml",
-                  "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")
+                  "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm", "maml_gnorm",
+                  "maml_and_gnorm", "maml_tasks", "maml_two_calls")
 MIXED = ("maml_and_gnorm",)
 _BATCHED = r"differentiated again under vmap \(an ensemble or a batch of MAML meta-gradients.*grad_divide_factor=1\.0"
 _THIRD = r"fed to another gather \(as in MAML\), then differentiated twice more .*grad_divide_factor=1\.0"
@@ -247,12 +249,10 @@ def _refused(path: str, row: str, world: int, hsdp: bool = False) -> str | None:
     """The refusal a row gets on a path (a regex of the NotImplementedError's text), None where it is right."""
     if path in ("apply", "apply_sum") and row == "jacrev":  # (the runtime's first-order vjp under vmap)
         return _APPLY_JACREV
-    if path in ("apply", "apply_sum") and row == "func_then_autograd_maml":  # (the runtime's torch.func.grad
-        return _APPLY_SECOND  # gradient, differentiated below the transform)
     divides = path != "gather" and (hsdp or (world > 1 and path in ("traced", "apply")))  # (or sums over replicas)
     if row in MIXED and divides:
         return _MIXED
-    if row == "maml3" and divides:
+    if row in ("maml3", "func_then_autograd_maml3") and divides:
         return _THIRD
     if row == "ensemble_maml" and divides:
         return _BATCHED
@@ -355,6 +355,40 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         maml(f, grad(f), LR)(s).backward()
         return {k: t.grad for k, t in s.items()}
 
+    def func_inputs_below():  # torch.func.grad of the state; its norm differentiated by plain autograd w.r.t. the
+        xx = x.clone().requires_grad_()  # inputs (recorded below the transform: the gradient is a function of them)
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(lambda s: f(s, xx))(state).values()), plan.mesh)
+        return torch.autograd.grad(norm2, xx)
+
+    def ref_inputs_below():  # (the inputs' whole gradient, on every rank)
+        xx = x.clone().requires_grad_()
+        return torch.autograd.grad(sum(t.pow(2).sum() for t in scaled(grad(lambda p: ref(p, xx))(full)).values()), xx)
+
+    def func_then_autograd_gnorm():  # (a torch.func.grad's norm, differentiated by plain autograd w.r.t. the state)
+        s = leaves()
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in grad(f)(s).values()), plan.mesh)
+        return dict(zip(s, torch.autograd.grad(norm2, list(s.values()))))
+
+    def func_value_and_gnorm():  # (torch.func.grad_and_value: its value's gradient, then its gradient's norm's, by
+        s = leaves()  # plain autograd: two backwards through one graph)
+        gs, v = torch.func.grad_and_value(f)(s)
+        norm2 = funcshard.all_reduce(sum(t.pow(2).sum() for t in gs.values()), plan.mesh)
+        a = torch.autograd.grad(v, list(s.values()), retain_graph=True)
+        return {k: ak + bk for k, ak, bk in zip(s, a, torch.autograd.grad(norm2, list(s.values())))}
+
+    def ref_value_and_gnorm():
+        a, b = grad(ref)(full), grad(ref_gnorm)(full)
+        return sh(scaled({k: a[k] + b[k] for k in a}))
+
+    def autograd_over_jvp():  # plain autograd through torch.func.jvp's tangent (reverse over forward)
+        s = leaves()
+        return dict(zip(s, torch.autograd.grad(jvp(f, (s,), (Vs,))[1], list(s.values()))))
+
+    def func_then_autograd_maml3():  # (MAML by plain autograd over torch.func.grad, create_graph=True; its squared
+        s = leaves()  # norm differentiated: three reverse levels, the inner gradient fed to a gather)
+        meta = dict(zip(s, torch.autograd.grad(maml(f, grad(f), LR)(s), list(s.values()), create_graph=True)))
+        return dict(zip(s, torch.autograd.grad(dot(meta, meta, True), list(s.values()))))
+
     def ref_maml(p):
         return maml(ref, lambda q: scaled(grad(ref)(q)), LR)(p)
 
@@ -389,6 +423,10 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
         "backward_maml": (backward_maml, lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "func_then_autograd_maml": (func_then_autograd_maml,
                                     lambda: sh(scaled(grad(maml(ref, lambda p: scaled(grad(ref)(p)), LR))(full)))),
+        "func_inputs_below": (func_inputs_below, ref_inputs_below),
+        "func_then_autograd_gnorm": (func_then_autograd_gnorm, lambda: sh(scaled(grad(ref_gnorm)(full)))),
+        "func_value_and_gnorm": (func_value_and_gnorm, ref_value_and_gnorm),
+        "autograd_over_jvp": (autograd_over_jvp, lambda: sh(scaled(grad(lambda p: jvp(ref, (p,), (V,))[1])(full)))),
         "hvp_grad": (lambda: grad(lambda s: dot(grad(f)(s), Vs, True))(state),  # (grad of <grad, v>)
                      lambda: sh(scaled(grad(lambda p: dot(scaled(grad(ref)(p)), V, False))(full)))),
         "maml_gnorm": (lambda: grad(lambda s: maml(f, grad(f), LR)(s) + gnorm(s))(state),  # (two inner gradients)
@@ -401,6 +439,8 @@ def _table_rows(plan, out, c, frozen=(), compute=None):
                                                        lambda p: scaled(grad(ref)(p)), LR))(full)))),
         "maml3": (lambda: grad(lambda s: dot(*[grad(maml(f, grad(f), LR))(s)] * 2, True))(state),  # (third level)
                   lambda: sh(scaled(grad(lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
+        "func_then_autograd_maml3": (func_then_autograd_maml3, lambda: sh(scaled(grad(
+            lambda p: dot(*[scaled(grad(ref_maml)(p))] * 2, False))(full)))),
         "maml_tasks": (lambda: grad(lambda s: vmap(lambda xi: maml(lambda q: f(q, xi), grad(lambda q: f(q, xi)),
                                                                    LR)(s))(xs.view(2, 3, 4)).sum())(state),
                        # (vmap between the levels: a meta-batch of two tasks)
@@ -457,9 +497,11 @@ def _table(plans=("root", "per_block"), names=None, hsdp=False, paths=None, ever
     return res
 
 
-ROWS = 23  # (_table_rows, but ONLY_NAMED)
-ONLY_NAMED = ("maml3", "ensemble_maml")  # (test_third_reverse_level)
-SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls")  # (test_second_order_rows; test_table: slow)
+ROWS = 27  # (_table_rows, but ONLY_NAMED)
+ONLY_NAMED = ("maml3", "func_then_autograd_maml3", "ensemble_maml")  # (test_third_reverse_level)
+SECOND_ROWS = ("hvp_grad", "maml_gnorm", "maml_and_gnorm", "maml_tasks", "maml_two_calls",  # (test_second_order_rows;
+               "func_inputs_below", "func_then_autograd_gnorm", "func_value_and_gnorm",  # test_table: slow)
+               "autograd_over_jvp")
 # plain autograd's create_graph=True differentiated again: apply's runtime composes (before: refused, and the WGAN-GP
 # penalty a torch error); test_create_graph_rows (test_table: slow), autograd_double and autograd_maml in test_table
 CREATE_GRAPH_ROWS = ("autograd_hvp", "autograd_penalty", "backward_gnorm", "backward_maml")
@@ -507,7 +549,10 @@ def test_second_order_rows(world, hsdp):
     test_table): grad of <grad, v> (an HVP by reverse over reverse), MAML plus the norm of another inner gradient,
     MAML over vmap of two tasks (vmap between the levels), MAML whose adapted state is gathered twice (two outer
     calls), and MAML plus the norm of its own inner gradient (refused with a divide factor or over HSDP: the two
-    paths arrive summed)."""
+    paths arrive summed); plain autograd below one torch.func level: a torch.func.grad's norm differentiated w.r.t.
+    the inputs and w.r.t. the state, grad_and_value's value and gradient norm differentiated (apply: its runtime,
+    exact; before, a torch error, the refusal, and a torch error), and a backward through torch.func.jvp's tangent
+    (apply: its runtime, exact; before, no gradient)."""
     quick = world == 2 and not hsdp
     plans, paths = (("root",), ("traced", "apply")) if quick else (("root", "per_block"), None)
     for res in run_ranks(world, _table, plans, SECOND_ROWS, hsdp, paths):
@@ -537,12 +582,13 @@ def test_table_over_plans(world, quick):
         _check_table(res, world)
 
 
-@pytest.mark.parametrize("paths", [("traced",),
+@pytest.mark.parametrize("paths", [("traced", "apply_sum"),
                                    pytest.param(("gather", "traced_sum", "apply"), marks=pytest.mark.slow)])
 def test_third_reverse_level(paths):
     """MAML's meta-gradient differentiated again (grad of its squared norm: three reverse levels, the inner gradient
-    fed to a gather), and MAML under vmap over stacked states (an ensemble): refused on a gather that divides
-    (traced_apply, apply's traced path, W=2), exact with factor 1 and on gather (slow: third order)."""
+    fed to a gather; by torch.func, and by plain autograd with create_graph=True over an inner torch.func.grad), and
+    MAML under vmap over stacked states (an ensemble): refused on a gather that divides (traced_apply, apply, W=2),
+    exact with factor 1 (apply's runtime below the torch.func level included) and on gather (slow: third order)."""
     for res in run_ranks(2, _table, ("root",), ONLY_NAMED, False, paths):
         assert len(res) == len(paths) * len(ONLY_NAMED), sorted(res)
         _check_table(res, 2)
@@ -577,8 +623,13 @@ def test_create_graph_rows(world, hsdp, plans):
         _check_table(res, world, hsdp)
 
 
-_APPLY_SECOND = (r"funcshard\.apply: a gradient taken by torch\.func\.grad .* differentiated again by plain autograd "
-                 r"below the transform .*create_graph=True.*funcshard\.traced_apply or funcshard\.gather")
+_APPLY_BELOW = (r"funcshard\.apply: a gradient taken by torch\.func\.grad .* differentiated again by plain autograd "
+                r"below the transform .* through group '(?P<group>[^']*)', whose reduce-scatter apply's runtime cannot "
+                r"transpose: (?P<why>.*)\. The first-order values are right.*funcshard\.gather")
+_TANGENTS = (r"funcshard\.apply under jvp\(\.\.\.\): a tangent requires grad .* apply runs its traced path for that, "
+             r"which does not run this plan \((?P<why>.*)\), and .*\(detach them\)")
+_TRACED_WHY = {"flat": r"layout='flat'", "comm": r"groups \['2'\] have comm hooks",
+               "offload": r"groups \[.*'0', '2', '4'\] offload to the host"}
 _NOT_DIFFERENTIABLE = (r"funcshard\.apply: a gradient taken with create_graph=True was differentiated again through "
                        r"group '(?P<group>[^']*)', whose reduce-scatter apply's runtime cannot make differentiable: "
                        r"(?P<why>.*)\. The first-order values are right.*funcshard\.traced_apply or funcshard\.gather")
@@ -604,6 +655,9 @@ def _apply_create_graph():
     xx = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(torch.func.functional_call(m, full, (xx,)).pow(2).sum(), xx, create_graph=True)
     ref_penalty = dict(zip(full, torch.autograd.grad(gx.pow(2).sum(), list(full.values()))))
+    V = {k: torch.randn(v.shape) for k, v in full.items()}  # (reverse over jvp: the tangent's gradient)
+    ref_jvp = dict(zip(full, torch.autograd.grad(torch.func.jvp(
+        lambda p: torch.func.functional_call(m, p, (x,)).pow(2).sum(), (full,), (V,))[1], list(full.values()))))
     out = {}
     plans = {"per_block": funcshard.plan(m, mesh, groups=(torch.nn.Linear,)),
              "flat": funcshard.plan(m, mesh, groups=(torch.nn.Linear,), layout="flat"),
@@ -621,18 +675,71 @@ def _apply_create_graph():
                                                                                  create_graph=True)))
         out[name, "counts"] = counts, len(buckets(plan))
         out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
-        try:
-            torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
-            out[name, "again"] = "no error"
-        except NotImplementedError as e:
-            out[name, "again"] = str(e)
+        out[name, "again"] = _differentiated_again(gs, leaves)
+        if name != "per_block":  # (a torch.func.grad's norm differentiated below it: the state's, the inputs')
+            xx = x.clone().requires_grad_()
+            for below, wrt in (("below", leaves), ("inputs below", {"x": xx})):
+                g = torch.func.grad(lambda s: funcshard.apply(plan, s, xx).pow(2).sum())(leaves)
+                try:
+                    torch.autograd.grad(funcshard.all_reduce(sum(t.pow(2).sum() for t in g.values()), mesh),
+                                        list(wrt.values()))
+                    out[name, below] = "no error"
+                except NotImplementedError as e:
+                    out[name, below] = str(e)
+            Vs = funcshard.shard(plan, V)  # (a jvp level over state tracked below it: the runtime, right)
+            _, t = torch.func.jvp(lambda s: funcshard.apply(plan, s, x).pow(2).sum(), (leaves,), (Vs,))
+            want = funcshard.shard(plan, ref_jvp)
+            out[name, "jvp below"] = [float((a - want[k]).abs().max()) if a.numel() else 0.0
+                                      for k, a in zip(leaves, torch.autograd.grad(t, list(leaves.values())))]
+            try:  # (its tangents tracked below it: refused)
+                torch.func.jvp(lambda s: funcshard.apply(plan, s, x).pow(2).sum(), (Vs,),
+                               ({k: v.clone().requires_grad_() for k, v in Vs.items()},))
+                out[name, "tangents below"] = "no error"
+            except NotImplementedError as e:
+                out[name, "tangents below"] = str(e)
         if name == "flat":
             xx = x.clone().requires_grad_()
             (gx,) = torch.autograd.grad(funcshard.apply(plan, leaves, xx).pow(2).sum(), xx, create_graph=True)
             got = torch.autograd.grad(gx.pow(2).sum(), list(leaves.values()))
             want = funcshard.shard(plan, ref_penalty)
             out[name, "penalty"] = all(torch.allclose(a, want[k], rtol=1e-6, atol=1e-6) for k, a in zip(leaves, got))
+    out.update(_apply_create_graph_ext_tp(mesh))
     return out
+
+
+def _apply_create_graph_ext_tp(mesh):
+    """What differentiating apply's create_graph gradients again raises through a group whose parameters define
+    FSDP2's all-gather extension (test_comm's int8 weights) and through model-sharded (tensor-parallel) parameters
+    (test_tp's model on a (dp=1, tp=2) mesh); their first-order values equal a plain backward's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import funcshard
+    from models import Block
+    from test_comm import _QBlock, _QMLP
+    from test_tp import _model as tp_model
+
+    torch.manual_seed(0)
+    tp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, plan in (("ext", funcshard.plan(_QMLP(), mesh, groups=(_QBlock,))),
+                       ("tp", funcshard.plan(tp_model(tp_mesh, "tp"), tp_mesh["dp"], groups=(Block,)))):
+        leaves = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        x = torch.randn(4, 7)
+        loss = lambda: funcshard.apply(plan, leaves, x).pow(2).sum()  # noqa: E731
+        plain = torch.autograd.grad(loss(), list(leaves.values()))
+        gs = torch.autograd.grad(loss(), list(leaves.values()), create_graph=True)
+        out[name, "same"] = all(torch.equal(a, b) for a, b in zip(plain, gs))
+        out[name, "again"] = _differentiated_again(gs, leaves)
+    return out
+
+
+def _differentiated_again(gs, leaves) -> str:
+    """create_graph gradients ``gs`` of ``leaves`` differentiated again (their squared norm): what it raises."""
+    try:
+        torch.autograd.grad(sum(g.pow(2).sum() for g in gs), list(leaves.values()))
+        return "no error"
+    except NotImplementedError as e:
+        return str(e)
 
 
 def test_apply_create_graph_collectives_and_refusals():
@@ -641,8 +748,13 @@ def test_apply_create_graph_collectives_and_refusals():
     create_graph one the same all-gathers and one reduce-scatter per bucket (3) by the differentiable collectives, with
     the same first-order values bit for bit.
     Still refused when differentiated again, naming the group and the case: a layout="flat" plan, a group with a
-    comm hook (its reduce-scatter would be bypassed) and a CPU-offloading plan; the WGAN-GP penalty on the flat plan
-    is exact (its second backward is first order through the gather)."""
+    comm hook (its reduce-scatter would be bypassed), a CPU-offloading plan, a group with FSDP2's all-gather
+    extension and one with model-sharded (tensor-parallel) parameters; the WGAN-GP penalty on the flat plan
+    is exact (its second backward is first order through the gather). On those plans, which apply's traced path does
+    not run, a torch.func.jvp whose tangents require grad is refused naming why (elsewhere that path runs it); a
+    torch.func.grad's norm differentiated by plain autograd w.r.t. the state or the inputs is refused naming the group
+    (elsewhere exact: test_table, test_second_order_rows); a backward through a jvp's tangent to state that requires
+    grad runs the runtime, exact (flat, offload; before: no gradient on a per-parameter plan)."""
     import re
 
     for out in run_ranks(2, _apply_create_graph):
@@ -655,7 +767,21 @@ def test_apply_create_graph_collectives_and_refusals():
                                   ("offload", ("0", "2", "4"), r"it offloads to the host \(CPUOffloadPolicy\)")):
             m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
             assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
+            for below in ("below", "inputs below"):
+                m = re.search(_APPLY_BELOW, out[name, below])
+                assert m and m["group"] in groups and re.search(why, m["why"]), (name, below, out[name, below])
+            m = re.search(_TANGENTS, out[name, "tangents below"])
+            assert m and re.search(_TRACED_WHY[name], m["why"]), (name, out[name, "tangents below"])
+            if name != "comm":  # (its bf16 reduce-scatter)
+                assert max(out[name, "jvp below"]) < 1e-5, (name, out[name, "jvp below"])
         assert out["flat", "penalty"] is True, out
+        for name, groups, why in (("ext", ("blocks.0", "blocks.1"), r"its parameters define FSDP2's all-gather "
+                                   r"extension \(fsdp_pre_all_gather / fsdp_post_all_gather\)"),
+                                  ("tp", ("blocks.0", "blocks.1"), r"model-sharded \(tensor-parallel DTensor\) "
+                                   r"parameters \['blocks\.\d\.l1\.weight'")):
+            assert out[name, "same"], (name, out)
+            m = re.search(_NOT_DIFFERENTIABLE, out[name, "again"])
+            assert m and m["group"] in groups and re.search(why, m["why"]), (name, out[name, "again"])
 
 
 def _counted(fn):
@@ -706,7 +832,40 @@ def _counts():
         out[path, "grad"] = _counted(lambda: torch.func.grad(f)(state))
         leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
         out[path, "autograd"] = _counted(lambda: f(leaves).backward())
+    out["apply"] = _routed(plan, state, x)
     out["plans"] = _plan_counts(plan.mesh, ("apply",), ())
+    return out
+
+
+def _routed(plan, state, x):
+    """Which of apply's paths first-order calls take (the runtime, or the traced path: counted), and their collectives:
+    one torch.func grad/vjp or jvp level, value_and_grad, a grad or jvp level over leaves that plain autograd records
+    below it (the runtime too), and (the traced path) a jvp level whose tangents it records."""
+    import funcshard
+    import funcshard._apply as applied
+
+    f = lambda s: funcshard.apply(plan, s, x).pow(2).sum()  # noqa: E731
+    leaves = {k: v.clone().requires_grad_() for k, v in state.items()}
+    traced, run = [], applied.traced_run
+    out = {}
+
+    def counted(key, fn):
+        n = len(traced)
+        out[key] = _counted(fn), len(traced) - n
+
+    applied.traced_run = lambda *a: traced.append(1) or run(*a)
+    try:
+        counted("grad", lambda: torch.func.grad(f)(state))  # (the shards require no grad)
+        with torch.no_grad():  # (plain autograd records nothing below the transform)
+            counted("grad, no_grad", lambda: torch.func.grad(f)(leaves))
+        counted("vjp", lambda: torch.func.vjp(f, state)[1](torch.ones(())))
+        counted("jvp", lambda: torch.func.jvp(f, (state,), (state,)))
+        counted("value_and_grad", lambda: funcshard.value_and_grad(f)(leaves))
+        counted("grad, below", lambda: torch.func.grad(f)(leaves))  # (differentiable below it: no collective more)
+        counted("jvp, below", lambda: torch.func.jvp(f, (leaves,), (state,)))
+        counted("jvp, tangents below", lambda: torch.func.jvp(f, (state,), (leaves,)))  # (the traced path)
+    finally:
+        applied.traced_run = run
     return out
 
 
@@ -750,6 +909,9 @@ def _plan_counts(mesh, paths=("gather", "apply"), members=(2, 4)):
 def test_collective_counts():
     """vmap over stacked states: one all-gather per group (3) in forward and one reduce-scatter per group in
     backward, whatever the number of members; a single torch.func.grad issues what plain autograd does (gather).
+    apply under one grad/vjp or jvp level and value_and_grad: its runtime (the groups gathered again in backward),
+    also over leaves that require grad (with grad mode on or off); its traced path only for a jvp level whose tangents
+    plain autograd records below it.
     On every plan of the table, apply (its traced path): per-sample gradients over 2 or 5 examples issue one
     all-gather and one reduce-scatter per bucket (group and compute dtype); gather, and ensembles, under slow.
     (traced_apply's plain-autograd path issues c10d functional collectives, which these counters do not see.)"""
@@ -758,6 +920,10 @@ def test_collective_counts():
     for path in ("gather", "traced"):
         assert out[path, "ensemble", 2] == out[path, "ensemble", 4] == out[path, "grad"] == per_group, out
     assert out["gather", "autograd"] == per_group, out
+    runtime = ["ag"] * 6 + ["rs"] * 3  # (the runtime's groups resharded after forward, gathered again)
+    assert out["apply"] == {"grad": (runtime, 0), "grad, no_grad": (runtime, 0), "vjp": (runtime, 0),
+                            "jvp": (["ag"] * 6, 0), "value_and_grad": (runtime, 0), "grad, below": (runtime, 0),
+                            "jvp, below": (["ag"] * 6, 0), "jvp, tangents below": (["ag"] * 6, 1)}, out["apply"]
     _check_plan_counts(out["plans"], 1, 2)
 
 

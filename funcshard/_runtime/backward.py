@@ -25,6 +25,7 @@ import torch
 from funcshard._collectives import CollectiveError, no_functorch
 from funcshard._pipeline import start_reduce_scatter
 from funcshard._compile import runtime_boundary
+from funcshard._compat import is_functorch_wrapped_tensor, maybe_current_level
 from funcshard._offload import host_reduce
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part
@@ -161,13 +162,13 @@ class FrozenRelease(Part):
         if not self.step.groups[name].frozen or not torch.is_grad_enabled():
             return None
         c = self.step.runs[name].counts
-        inputs = grad_inputs(args)
+        inputs = [a for a in grad_inputs(args) if _at_this_level(a)]
         if not inputs:  # e.g. inputs passed as keyword arguments: keep the group until the end of backward
             c.unwatched = True
             return None
         c.uses += 1
         c.inputs_left += 1
-        top = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        top = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and _at_this_level(a)]
         if len(top) != len(inputs) or any(args[i].layout is not torch.strided or args[i].is_nested for i in top):
             # inside containers (not rebuilt: the module may fill them) or not aliasable (nested, sparse)
             torch.autograd.graph.register_multi_grad_hook(
@@ -257,6 +258,13 @@ class Recompute(Part):
         run.node.views_grad = True
         self.reentrant.add(name)
         run.swap_in()
+
+
+def _at_this_level(a: torch.Tensor) -> bool:
+    """Whether ``a`` takes a gradient in the innermost level's backward: under a torch.func level, a tensor from below
+    it (not wrapped: plain autograd's, an input requiring grad there) is a constant at that level (its alias would not
+    require grad: measured, a RuntimeError registering the hook)."""
+    return maybe_current_level() is None or is_functorch_wrapped_tensor(a)
 
 
 def grad_inputs(args: Any) -> list[torch.Tensor]:

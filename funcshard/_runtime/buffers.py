@@ -53,7 +53,9 @@ class GroupBuffers:
                 f"group {group.name!r}: CPU offload together with the tensor-subclass all-gather extension "
                 f"(fsdp_pre_all_gather / fsdp_post_all_gather) is not built yet; offload another group, or use plain "
                 f"tensors in this one")
-        grad = [t.requires_grad for t in self.shards]
+        # (under torch.func.jvp a shard's wrapper does not require grad where the tensor under it does: plain autograd
+        # below the transform differentiates it, through this group's backward)
+        grad = [t.requires_grad or unwrapped(t).requires_grad for t in self.shards]
         # A group with a shard that takes no gradient: backward ops may read its unsharded parameters after the
         # group's reduce-scatter, so it is freed only once its inputs' gradients are complete too (FrozenRelease).
         self.frozen = not all(grad)

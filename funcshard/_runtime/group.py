@@ -28,7 +28,8 @@ from funcshard._runtime.binding import Slots
 from funcshard._runtime.buffers import GroupBuffers, Status
 from funcshard._runtime.observe import LISTENERS, emit
 from funcshard._runtime.part import Part, failing
-from funcshard._runtime.strategies import FusedState, NodeState, graph_backward, take_grads_hook
+from funcshard._runtime.strategies import (FusedState, NodeState, differentiated_below, graph_backward,
+                                           regather_below, take_grads_hook)
 
 if TYPE_CHECKING:
     from funcshard._runtime.step import Step
@@ -205,6 +206,8 @@ class GroupRun(Part):
         if not tensors:
             return output
         step = self.step
+        if step.below and single_grad_level() and differentiated_below(step):
+            regather_below(step, self.name, tensors)
         # A group without trainable parameters has no gather node in the graph to keep the step alive until its
         # backward: its hooks hold the step themselves (made per call, not kept by the step: no reference cycle).
         strong = not self.buffers.trainable
@@ -330,9 +333,10 @@ def _pre_backward(ref, name: str, once: bool, fired: list, grad):
     if not once or fired[0] != task:
         fired[0] = task
         step.pre_backward(name)
-    if single_grad_level():
+    if single_grad_level() and not (step.below and differentiated_below(step)):
         # torch.func.grad differentiates with create_graph=True (so transforms can nest); with a single grad
-        # level nothing differentiates the gradients again, and the graph that made them would keep every
-        # finished group's saved activations and full gradients alive until backward ends.
+        # level nothing differentiates the gradients again (but plain autograd below it: strategies.below), and the
+        # graph that made them would keep every finished group's saved activations and full gradients alive until
+        # backward ends.
         return grad.detach()
     return None  # the gradient passes unchanged

@@ -51,7 +51,7 @@ from funcshard._runtime.group import GroupRun, single_grad_level
 from funcshard._runtime.hooks import module_post_forward, module_pre_forward
 from funcshard._runtime.part import failing
 from funcshard._runtime.prefetch import Prefetcher
-from funcshard._runtime.saved import SavedViews
+from funcshard._runtime.saved import SavedViews, regather
 from funcshard._runtime.strategies import Fused, Nodes, Relay
 
 _PRE_BACKWARD_SEQ = itertools.count()  # orders the pre-backwards of all steps (Step.last_pre_backward)
@@ -136,6 +136,9 @@ class Step:
         # apply: a backward with create_graph=True ran, whose graph reads the unsharded parameters again when it is
         # differentiated: no group is freed after backward from then on (GroupRun.free_after_backward)
         self.second_order = False
+        # apply, under one torch.func grad level: the call's tensors plain autograd records below it (None: not
+        # apply's step; strategies._tracked_below)
+        self.below: list | None = None
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
         self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward
@@ -145,6 +148,12 @@ class Step:
         self.last_pre_backward = -1
         self.ran_early: set[str] = set()  # groups whose pre-backward ran ahead of their own hook (pre_backward)
         self.checks = Checks(self)
+
+    def regather(self, name: str) -> None:
+        """A backward reaches group ``name``'s operations by a way its output hooks do not see (apply's gradients under
+        one torch.func.grad level, differentiated below the transform: ``strategies.differentiated_below``): gather
+        it if it is not (``saved.regather``: its pre-backward)."""
+        regather(self, name)
 
     def phase(self) -> str:
         return "backward" if self.backward_started else "forward"

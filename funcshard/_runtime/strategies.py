@@ -25,21 +25,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.forward_ad import unpack_dual
 
+from funcshard._collectives import no_functorch, unwrapped
 from funcshard._pipeline import jvp_of_gather
-from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides, refuse_again,
-                                   rows, scatter_mean)
+from funcshard._primitives import (buckets, check_backward_transforms, check_batched_grads, divides,
+                                   given_scatter_mean, refuse_again, rows, scatter_mean)
 from funcshard._compile import runtime_boundary
 from funcshard._compat import (
+    GradInterpreter,
+    TransformType,
     current_graph_task_id,
     get_interpreter_stack,
-    get_unwrapped,
     function_base_apply,
-    is_functorch_wrapped_tensor,
     top_saved_tensors_default_hooks,
+    torch_tree_leaves,
     unwrap_if_dead,
     will_engine_execute_node,
 )
@@ -451,7 +455,15 @@ class Fused(Part):
         """The group's gradients of this backward are all in: its post-backward."""
         fs.ran = [g is not _UNSET for g in fs.grads]
         grads, fs.grads = [None if g is _UNSET else g for g in fs.grads], None
-        fs.grad_shards = self.step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
+        step = self.step
+        exact = step.below and differentiated_below(step)
+        if exact:  # (the gradients as plain autograd records them below the transform)
+            grads_below = [None if g is None else unwrapped(g) for g in grads]
+        fs.grad_shards = step.runs[name].post_backward(grads)  # None: undefined (e.g. a custom Function's)
+        if exact and fs.grad_shards is not None:
+            with no_functorch(), torch.enable_grad():
+                fs.grad_shards = second_order_grads(step, name, grads_below, fs.grad_shards,
+                                                    functools.partial(_regather_all, step))
 
     def _zeros_like(self, grad: torch.Tensor) -> torch.Tensor:
         """Zeros without storage, one per shape and dtype: handed to autograd in place of a full gradient that
@@ -553,9 +565,12 @@ class _StepGather(torch.autograd.Function):
     @staticmethod
     @runtime_boundary
     def backward(ctx, *grads):
-        out = first_order(_second_order_dep(grads), ctx.step.fused.shard_grads())
+        step = ctx.step
+        if not get_interpreter_stack() and step.below and differentiated_below(step):
+            return (None, *_outer_shard_grads(step, grads))  # (plain autograd below the level: differentiated_below)
+        out = first_order(_second_order_dep(grads), step.fused.shard_grads())
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
-            out = _tracked_below(ctx.step, out)
+            out = _tracked_below(step, out)
         return (None, *out)
 
 
@@ -625,6 +640,13 @@ _SECOND_ORDER = (
     "differentiates it again), nest torch.func transforms (torch.func.grad(grad(...)): apply runs the traced path), or "
     "use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
 
+_BELOW = (
+    "funcshard.apply: a gradient taken by torch.func.grad (or vjp, grad_and_value) through apply's runtime was "
+    "differentiated again by plain autograd below the transform (MAML's meta-gradient by loss.backward() over an inner "
+    "torch.func.grad; the state or an input requires grad there), through group {group!r}, whose reduce-scatter "
+    "apply's runtime cannot transpose: {why}. The first-order values are right and were returned. Use a plan without "
+    "it, nest torch.func transforms (torch.func.grad(grad(...))), or funcshard.gather + torch.func.functional_call")
+
 _NOT_DIFFERENTIABLE = (
     "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
     "reduce-scatter apply's runtime cannot make differentiable: {why}. The first-order values are right and were "
@@ -688,21 +710,36 @@ def second_order(step, name: str) -> bool:
     return graph_backward(step) and not_differentiable(step, name) is None
 
 
-def second_order_grads(step, name: str, grads: list) -> list:
+def second_order_grads(step, name: str, grads: list, given: list | None = None, ready=None) -> list:
     """Group ``name``'s shard gradients in a ``create_graph=True`` backward: its full gradients ``grads`` (consumed)
     reduce-scattered and divided as its runtime would (the plan's buckets, divide factors and reduce dtype;
     ``_primitives.buckets``), by the differentiable collectives (``_primitives.rows``, ``scatter_mean``: the traced path's
     create_graph backward), so that differentiating them again gets every term through the gather, with the divide
     taken once per reverse level (``_primitives._Mean``). One reduce-scatter per bucket, synchronous (not the
     runtime's bucketed, overlapped one). The terms of the double backward read the group's unsharded parameters: the
-    step keeps them gathered (``GroupRun.free_after_backward``)."""
+    step keeps them gathered (``GroupRun.free_after_backward``).
+
+    ``given``: the shard gradients the runtime's first-order reduce-scatter made of ``grads`` already (under one
+    ``torch.func.grad`` level whose gradients plain autograd records below it: ``below``): returned as they are, as
+    functions of ``grads`` (``_primitives.given_scatter_mean``: no collective now; the transposes, after ``ready()``,
+    when differentiated)."""
     gb = step.groups[name]
     at = {p: i for i, p in enumerate(gb.group.params)}
-    out: list = [None] * len(at)
-    step.checks.collective(f"reduce-scatter of group {name!r} (create_graph backward)")
+    out: list = [None] * len(at) if given is None else list(given)
+    if given is None:
+        step.checks.collective(f"reduce-scatter of group {name!r} (create_graph backward)")
     for b in buckets(step.plan):
         taken = [(p, at[p.path]) for p in b.params if b.group == name and gb.grad_mask[at[p.path]]]
         if not taken:
+            continue
+        if given is not None:  # (no op now: the full gradients' transposes are taken when differentiated; the
+            # same parameters on every rank, as the runtime's reduce-scatter: a missing one as zeros)
+            values = [torch.zeros(p.local_shape, dtype=p.dtype, device=gb.device) if given[i] is None else given[i]
+                      for p, i in taken]
+            for (_, i), g in zip(taken, given_scatter_mean(b, [p for p, _ in taken], values,
+                                                           [grads[i] for _, i in taken], step.pg,
+                                                           step.replicate_pg, ready)):
+                out[i] = g
             continue
         cols = []
         for p, i in taken:
@@ -716,21 +753,112 @@ def second_order_grads(step, name: str, grads: list) -> list:
     return out
 
 
+def differentiated_below(step) -> bool:
+    """Whether apply's ``step`` under one ``torch.func.grad`` level, whose gradients plain autograd records below the
+    transform (``step.below``), makes them exact there (MAML's meta-gradient by ``loss.backward()`` over an inner
+    ``torch.func.grad``): every group's reduce-scatter can be transposed (``not_differentiable``). Then the runtime
+    runs as at first order (schedule, collectives, frees), and its shard gradients are, below the transform, functions
+    of the full gradients autograd recorded there (``second_order_grads`` with ``given``: no collective then); a
+    backward through them gathers the step's groups again (``_regather_all``) and transposes the reduce-scatter, and
+    reaching the whole-step gather's node below the transform reduce-scatters its cotangents
+    (``_outer_shard_grads``): the traced path's terms. Else they refuse (``_tracked_below``)."""
+    return _not_transposed(step) is None
+
+
+def _not_transposed(step) -> tuple[str, str] | None:
+    """The first group of ``step`` (with shards) whose reduce-scatter cannot be transposed, and why; None: none."""
+    return next(((n, w) for n, gb in step.groups.items()
+                 if gb.shards and (w := not_differentiable(step, n)) is not None), None)
+
+
+def _regather_all(step) -> None:
+    """A backward below the transform differentiates the runtime's torch.func.grad gradients: the graph recorded there
+    reads the unsharded parameters (views of the step's buffers, freed after its backward): gather every group again
+    (``Step.regather``: the group's pre-backward), in the plan's order on every rank. (The gradients' graph holds the
+    step, as a gather node's context does; the step holds no graph.)"""
+    for name, gb in step.groups.items():
+        if gb.shards:
+            step.regather(name)
+
+
+def regather_below(step, name: str, outputs: list) -> None:
+    """Group ``name``'s ``outputs`` under the torch.func.grad level (``differentiated_below``): a hook on the tensors
+    below the transform gathers the group again when a backward there reaches them (the level's value, e.g.
+    ``grad_and_value``'s, differentiated by plain autograd: the group's operations read its unsharded parameters),
+    as the runtime's pre-backward hook does at the level."""
+    for t in outputs:
+        base = unwrapped(t)
+        if base is not t and base.requires_grad:
+            base.register_hook(functools.partial(_regather_hook, step, name))
+
+
+@runtime_boundary
+def _regather_hook(step, name: str, grad):
+    step.regather(name)  # (the graph holds the step, as a gather node's context does)
+
+
+def _outer_shard_grads(step, grads) -> list:
+    """The whole-step gather's node, reached by a backward below the torch.func.grad level (its outputs' cotangents
+    ``grads``, group by group): each group's reduce-scatter and divide, by ``second_order_grads`` (differentiable
+    where that backward is)."""
+    out, k = [], 0
+    for name, gb in step.groups.items():
+        n = len(gb.shards)
+        if n:
+            out.extend(second_order_grads(step, name, list(grads[k : k + n])))
+            k += n
+    return out
+
+
 def _tracked_below(step, grads):
-    """The runtime's gradients under ``torch.func.grad``: below the transform (plain autograd recording it, because
-    the state under its wrappers requires grad: MAML's meta-gradient by ``loss.backward()`` over an inner
-    ``torch.func.grad``) they depend on the state and raise ``_SECOND_ORDER`` when differentiated; before, they were
-    constants there and the second-order term was silently missing."""
-    deps = [t for t in step.state.values() if isinstance(t, torch.Tensor) and _base_requires_grad(t)]
-    return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    """The runtime's gradients under ``torch.func.grad``, where plain autograd records them below the transform (the
+    state under its wrappers requires grad, or an input does: ``step.below``, what apply's entry found) and a group's
+    reduce-scatter cannot be transposed (``not_differentiable``; else they are exact: ``differentiated_below``): they
+    depend on those tensors and raise ``_BELOW`` naming the group when differentiated; before, they were constants
+    there and the second-order term was silently missing. A step without ``below`` (fully_shard's) scans its state
+    (``_SECOND_ORDER``)."""
+    if getattr(step, "below", None) is None:  # (not apply's step)
+        deps = tracked(step.state.values())
+        return refuse_again(_SECOND_ORDER, deps, grads) if deps else grads
+    why = _not_transposed(step) if step.below else None
+    if why is None:  # (nothing recorded below, or exact: Fused._complete)
+        return grads
+    return refuse_again(_BELOW.format(group=label(why[0]), why=why[1]), step.below, grads)
 
 
-def _base_requires_grad(t: torch.Tensor) -> bool:
-    """Whether plain autograd below every torch.func wrapper records ``t`` (else the Function above is not needed:
-    nothing below the transform can differentiate the gradients, and the step skips its cost)."""
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-    return t.requires_grad
+def below(state, inputs) -> list[torch.Tensor]:
+    """Under one torch.func grad/vjp level entered with grad mode on, the tensors of the call (``state``'s values (a
+    mapping; anything else is left to ``check_state``) and the leaves of ``inputs``) that plain autograd records
+    below the transform (``tracked``): the level's gradients depend on them there, and the runtime makes them exact
+    there (``differentiated_below``) or refuse being differentiated again (``_tracked_below``). Not a reason to run
+    the traced path: whether plain autograd will differentiate the gradients is not known when apply runs, and leaves
+    that require grad under ``torch.func.grad`` are an ordinary first-order call (they keep the runtime's schedule).
+    Empty otherwise: no transform, another stack (a jvp level: the runtime's gather node is plain autograd's below
+    it, ``GroupBuffers.grad_mask``; its tangents: ``tangents_below``), grad mode off where the level was entered
+    (nothing below records it)."""
+    stack = get_interpreter_stack()
+    if not stack or len(stack) != 1 or stack[0].key() != TransformType.Grad:
+        return []
+    if not GradInterpreter(stack[0]).prevGradMode():  # (the transform turns grad mode on inside it)
+        return []
+    return tracked([*(state.values() if isinstance(state, Mapping) else ()), *torch_tree_leaves(inputs)])
+
+
+def tangents_below(state, inputs) -> bool:
+    """Under one torch.func.jvp level with grad mode on, whether a tangent of the call's tensors (``state``'s values,
+    the leaves of ``inputs``) is recorded by plain autograd below it: a backward through jvp's outputs differentiates
+    it, through the gather of the tangents, which apply's runtime makes outside autograd (the traced path's is
+    differentiable: ``funcshard.apply`` runs it). Measured before: a torch error (the runtime's).
+    Only asked under a single jvp level."""
+    if not torch.is_grad_enabled():  # (jvp leaves grad mode as it was)
+        return False
+    tensors = [t for t in (*state.values(), *torch_tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
+    return bool(tracked(unpack_dual(t).tangent for t in tensors))
+
+
+def tracked(tensors) -> list[torch.Tensor]:
+    """Those of ``tensors`` whose base below every torch.func wrapper requires grad (plain autograd records them)."""
+    return [t for t in tensors if isinstance(t, torch.Tensor) and unwrapped(t).requires_grad]
 
 
 def first_order(dep: torch.Tensor | None, grads, step=None, name: str | None = None):
