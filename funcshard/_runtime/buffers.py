@@ -219,9 +219,11 @@ class GroupBuffers:
         """The buffers' storage is about to be freed: move autograd's version of each on by one (its views share it),
         so that autograd refuses to unpack a tensor it saved of them without saved-tensor hooks (its "modified by an
         inplace operation" error, where it would read freed memory: a saved view read by ``grad_fn._saved_*``, or a
-        backward that reaches the group without gathering it); ``wait`` puts the versions back once refilled. A C
-        call per group, nothing per saved tensor (the saved-tensor hooks of ``_runtime.saved`` cost Python per saved
-        tensor: they run where they can name the group)."""
+        backward that reaches the group without gathering it); ``wait`` puts the versions back once refilled from
+        unchanged parameters (``unmark_freed``). Per group: a C call and a version read per buffer and per
+        parameter, nothing per saved tensor (the saved-tensor hooks of ``_runtime.saved`` cost Python per saved
+        tensor: they run where they can name the group). Autograd checks versions only of tensors saved without
+        saved-tensor hooks: under the caller's own (identity) hooks a read is not guarded (docs/reliability.md)."""
         if self.freed_versions is not None or not self.bases or not self.group.unshard_in_backward:
             return  # (freed already, not refilled since; a group whose backward is promised to read no parameter
             # values is not gathered for it: its ops may still unpack what they saved, for its sizes, torch.gather)
