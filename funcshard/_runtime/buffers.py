@@ -77,9 +77,9 @@ class GroupBuffers:
         # saved of the buffers before holds other values (``_runtime.saved`` refuses it; autograd does, unhooked)
         self.stale = False
         # the tensors an in-place change of the parameters moves autograd's version of (``shard_versions``): the
-        # shards; fully_shard's DTensor parameters (its shards are detached aliases: an optimizer step on the DTensor
-        # moves only the DTensor's version on)
-        self.watch = self.shards
+        # shards under any functorch wrappers (inference tensors have none); fully_shard's DTensor parameters (its
+        # shards are detached aliases: an optimizer step on the DTensor moves only the DTensor's version on)
+        self.watch = [u for u in map(unwrapped, self.shards) if not u.is_inference()]
 
     @property
     def device(self) -> torch.device:
@@ -246,9 +246,9 @@ class GroupBuffers:
             self.stale = True
 
     def shard_versions(self) -> list[int]:
-        """Autograd's versions of the parameters the group's gathers read (``watch``, under functorch wrappers): an
-        in-place change of one (an optimizer step, a no_grad edit) moves it on."""
-        return [-1 if (u := unwrapped(s)).is_inference() else u._version for s in self.watch]
+        """Autograd's versions of the parameters the group's gathers read (``watch``): an in-place change of one (an
+        optimizer step, a no_grad edit) moves it on."""
+        return [t._version for t in self.watch]
 
     def reshard_to(self, plan, k: int) -> None:
         """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free
