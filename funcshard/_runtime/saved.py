@@ -10,7 +10,10 @@ not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynam
 hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
 and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
 when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
-collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group. The caller's
+collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group, and so does
+its unpack once the group was refilled from parameters changed in place since (``GroupBuffers.stale``: an optimizer
+step before a retained graph's second backward; autograd's version check, which would refuse it, skips hooked
+tensors). The caller's
 own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
 non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
