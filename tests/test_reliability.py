@@ -379,6 +379,8 @@ def _inner_activation_backward() -> dict:
     del kept
     _saved_view_reads(out, model, mesh, stash, x, full, ref_inner, (True, False))  # (int: _int_reshard_reads)
     _saved_view_reads(out, None, mesh, stash, x, full, ref_inner, (True, False), fully_shard=True)
+    _after_backward_advice(model, mesh, stash, x)
+    _changed_since_forward(out, mesh, x)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     x, v = torch.randn(5, 3), torch.randn(5, 3)
     p = {k: t.detach() for k, t in m.named_parameters()}
@@ -458,6 +460,98 @@ def _saved_view_reads(out: dict, model, mesh, stash: list, x, full: dict, ref: d
 
         out[f"{key} second backward"] = outcome(again) == ("twice" if hooked else "autograd refused")
     stash.clear()
+
+
+def _after_backward_advice(model, mesh, stash: list, x) -> None:
+    """The error for a saved view of group 'blocks.1' read after backward (apply's hooks) gives advice that holds for
+    the group: reshard_after_forward=True: not "before" the backward (it fails there, freed after forward: 4b67809
+    advised it); False (another group reshards after forward, so the hooks run): before the backward (the read works
+    there). Either way reshard_after_backward=False keeps it readable after the backward."""
+    import dataclasses
+
+    import funcshard
+    from models import Block
+
+    for mine in (True, False):
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=True)
+        plan = plan.replace(groups=tuple(dataclasses.replace(g, reshard_after_forward=mine) if g.name == "blocks.1"
+                                         else g for g in plan.groups))
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        y = funcshard.apply(plan, state, x)
+        act = stash.pop()
+        if mine:
+            with pytest.raises(RuntimeError, match=r"'blocks.1' .* freed after the group's forward: read it inside "
+                                                   r"backward, or keep the group gathered \(reshard_after_forward="):
+                act.grad_fn._saved_mat2
+        else:
+            act.grad_fn._saved_mat2.sum().item()  # (gathered until the backward)
+        y.square().mean().backward(retain_graph=True)  # (backward frees what it saved, without retain_graph)
+        after = (r"freed after the step's backward \(the group reshards after forward too, so it cannot be read "
+                 r"before the backward either\): read it inside the backward, or keep the group gathered after the "
+                 r"backward \(reshard_after_backward=False for it\)" if mine else
+                 r"freed after the step's backward: read it before or inside the backward, or keep the group "
+                 r"gathered \(reshard_after_backward=False for it\)")
+        with pytest.raises(RuntimeError, match=r"'blocks.1' .* " + after):
+            act.grad_fn._saved_mat2
+    stash.clear()
+
+
+def _changed_since_forward(out: dict, mesh, x) -> None:
+    """Parameters changed in place after the forward whose graph a backward then runs (plain torch refuses: "modified
+    by an inplace operation"): a retained graph's second backward after ``opt.step()`` (fully_shard with
+    reshard_after_forward / reshard_after_backward True and False; apply True and False), and a no_grad edit of a
+    parameter between forward and backward (fully_shard, True). 4b67809 (and main before it) gave the gradients of
+    the updated parameters, silently: the refill from the changed shards put the freed buffers' versions back. Now
+    autograd refuses (the versions stay moved on: GroupBuffers.unmark_freed) or, under apply's saved-tensor hooks,
+    funcshard's error names the group."""
+    import funcshard
+    from models import MLP, Block
+
+    refused = r"modified by an inplace operation|has been modified inplace"
+    for rafs in (True, False):
+        for rab in (True, False):
+            torch.manual_seed(0)
+            model = MLP(layers=2)
+            for b in model.blocks:
+                funcshard.fully_shard(b, mesh=mesh, reshard_after_forward=rafs)
+                b.set_reshard_after_backward(rab)
+            funcshard.fully_shard(model, mesh=mesh, reshard_after_forward=rafs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            loss = model(x).square().mean()
+            loss.backward(retain_graph=True)
+            opt.step()
+            with pytest.raises(RuntimeError, match=refused):
+                loss.backward()
+            opt.zero_grad()
+            loss = model(x).square().mean()  # (the next step's forward and backward: unaffected)
+            loss.backward()
+            out[f"fully_shard {rafs} {rab} retained after step: next step"] = all(
+                p.grad is not None and torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    for b in model.blocks:
+        funcshard.fully_shard(b, mesh=mesh)
+    funcshard.fully_shard(model, mesh=mesh)
+    loss = model(x).square().mean()
+    with torch.no_grad():
+        model.blocks[1].l1.weight.mul_(2)
+    with pytest.raises(RuntimeError, match=refused):
+        loss.backward()
+    for rafs in (True, False):
+        torch.manual_seed(0)
+        model = MLP(layers=2)
+        plan = funcshard.plan(model, mesh, groups=(Block,), reshard_after_forward=rafs)
+        state = {k: v.requires_grad_() for k, v in funcshard.shard(plan).items()}
+        loss = funcshard.apply(plan, state, x).square().mean()
+        loss.backward(retain_graph=True)
+        with torch.no_grad():
+            for v in state.values():
+                v.sub_(0.5 * v.grad)
+        with pytest.raises(RuntimeError, match=r"funcshard: a tensor autograd saved in the forward of group '.*' "
+                           r"is a view .* parameters were modified by an inplace operation since that forward"
+                           if rafs else refused):
+            loss.backward()
+    out["changed since forward: refused"] = True
 
 
 def _int_reshard_reads() -> dict:

@@ -38,7 +38,7 @@ class GroupBuffers:
 
     __slots__ = ("group", "layout", "reduce_layout", "shards", "flat_shards", "bases", "copy_to", "status",
                  "pending", "versions", "frozen", "trainable", "post", "regather", "grad_mask", "ext", "compute_device",
-                 "freed_versions")
+                 "freed_versions", "stale", "watch")
 
     def __init__(self, group: Group, layout: Buckets, state: dict[str, torch.Tensor], plan=None,
                  compute_device: torch.device | None = None):
@@ -72,9 +72,16 @@ class GroupBuffers:
         self.versions = None  # flat layout: autograd's version counters held while the collective writes
         self.post: tuple | None = None  # (post-forward shards, process group, rank in it, k) while resharded to k
         self.regather = 0  # k while a gather from the post-forward shards is in flight
-        # while the storage is freed: autograd's versions of the buffers before the free (``mark_freed``), put back
-        # when it is refilled (``wait``)
+        # while the storage is freed: (the buffers, autograd's versions of them before the free, the shards' versions
+        # then) (``mark_freed``); the buffers' put back when it is refilled from unchanged shards (``wait``)
         self.freed_versions = None
+        # refilled from shards changed in place since the free (an optimizer step, a no_grad edit): what autograd
+        # saved of the buffers before holds other values (``_runtime.saved`` refuses it; autograd does, unhooked)
+        self.stale = False
+        # the tensors an in-place change of the parameters moves autograd's version of (``shard_versions``): the
+        # shards under any functorch wrappers (inference tensors have none); fully_shard's DTensor parameters (its
+        # shards are detached aliases: an optimizer step on the DTensor moves only the DTensor's version on)
+        self.watch = [u for u in map(unwrapped, self.shards) if not u.is_inference()]
 
     @property
     def device(self) -> torch.device:
@@ -171,9 +178,8 @@ class GroupBuffers:
             if self.versions is not None:
                 self.versions.__exit__(None, None, None)
                 self.versions = None
-            if self.freed_versions is not None:  # refilled: autograd may read the tensors it saved again
-                self.freed_versions.__exit__(None, None, None)
-                self.freed_versions = None
+            if self.freed_versions is not None:  # refilled
+                self.unmark_freed()
         self.pending, self.regather = None, 0
         self.status = Status.GATHERED
         if LISTENERS:
@@ -215,16 +221,36 @@ class GroupBuffers:
         """The buffers' storage is about to be freed: move autograd's version of each on by one (its views share it),
         so that autograd refuses to unpack a tensor it saved of them without saved-tensor hooks (its "modified by an
         inplace operation" error, where it would read freed memory: a saved view read by ``grad_fn._saved_*``, or a
-        backward that reaches the group without gathering it); ``wait`` puts the versions back once refilled. A C
-        call per group, nothing per saved tensor (the saved-tensor hooks of ``_runtime.saved`` cost Python per saved
-        tensor: they run where they can name the group)."""
-        if self.freed_versions is not None or not self.bases:
-            return  # (freed already, not refilled since)
+        backward that reaches the group without gathering it); ``wait`` puts the versions back once refilled from
+        unchanged parameters (``unmark_freed``). Per group: a C call and a version read per buffer and per
+        parameter, nothing per saved tensor (the saved-tensor hooks of ``_runtime.saved`` cost Python per saved
+        tensor: they run where they can name the group). Autograd checks versions only of tensors saved without
+        saved-tensor hooks: under the caller's own (identity) hooks a read is not guarded (docs/reliability.md)."""
+        if self.freed_versions is not None or not self.bases or not self.group.unshard_in_backward:
+            return  # (freed already, not refilled since; a group whose backward is promised to read no parameter
+            # values is not gathered for it: its ops may still unpack what they saved, for its sizes, torch.gather)
         tensors = tuple(self.versioned())
         if not tensors or any(t.is_inference() for t in tensors):
             return  # (inference tensors have no versions)
-        self.freed_versions = unsafe_preserve_version_counter(tensors)
-        set_version_counters(tensors, [v + 1 for v in self.freed_versions.prev_versions])
+        versions = [t._version for t in tensors]
+        self.freed_versions = (tensors, versions, self.shard_versions())
+        set_version_counters(tensors, [v + 1 for v in versions])
+
+    def unmark_freed(self) -> None:
+        """Refilled: put autograd's versions of the buffers back (it may read what it saved of them again) if the
+        shards are unchanged since the free; else leave them moved on (autograd refuses the old values, as plain
+        torch refuses a tensor changed in place since it was saved) and mark the buffers ``stale``."""
+        tensors, versions, shards = self.freed_versions
+        self.freed_versions = None
+        if self.shard_versions() == shards:
+            set_version_counters(tensors, versions)
+        else:
+            self.stale = True
+
+    def shard_versions(self) -> list[int]:
+        """Autograd's versions of the parameters the group's gathers read (``watch``): an in-place change of one (an
+        optimizer step, a no_grad edit) moves it on."""
+        return [t._version for t in self.watch]
 
     def reshard_to(self, plan, k: int) -> None:
         """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free

@@ -10,7 +10,10 @@ not under ``torch.compile``; not ``fully_shard``'s: it cannot tell whether dynam
 hooks are in effect: packing is the C ``detach`` (no Python per saved tensor in the forward),
 and unpacking a tensor whose storage is a group's unsharded buffer (``_OWNERS``) runs the group's pre-backward first
 when the group is not gathered (a no-op in an ordinary backward, where the output hook already ran: its schedule and
-collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group. The caller's
+collectives are unchanged); read outside backward (``grad_fn._saved_*``) it raises, naming the group, and so does
+its unpack once the group was refilled from parameters changed in place since (``GroupBuffers.stale``: an optimizer
+step before a retained graph's second backward; autograd's version check, which would refuse it, skips hooked
+tensors). The caller's
 own saved-tensor hooks (e.g. ``save_on_cpu``) still pack every tensor. Inside
 non-reentrant ``torch.utils.checkpoint`` (around ``apply``) they step aside: it saves nothing of that forward.
 
@@ -90,8 +93,11 @@ def _unpack(x):
     owner = _OWNERS.get(k)
     if owner is not None:
         step = owner[0]()
-        if step is not None and step.groups[owner[1]].status is not Status.GATHERED and _owns(step, owner[1], k):
+        if step is not None and ((gb := step.groups[owner[1]]).status is not Status.GATHERED or gb.stale) and _owns(
+                step, owner[1], k):
             _ensure_gathered(step, owner[1])
+            if gb.stale:
+                _refuse_stale(step, owner[1])
     return t
 
 
@@ -147,8 +153,7 @@ class SavedViews:
         step = self._step()
         if self.hooks is not None or top_saved_tensors_default_hooks is None or not hooks_allowed():
             return  # (a torch that cannot show the caller's hooks: none, rather than hide them)
-        if not any(gb.shards and (gb.group.reshard_after_forward or step.plan.post_forward_world(gb.group) is not None)
-                   for gb in step.groups.values()):
+        if not any(gb.shards and freed_after_forward(step, gb) for gb in step.groups.values()):
             return  # nothing is freed after forward: nothing to gather again (a group freed after backward only: a
             # saved view read after it raises autograd's error, GroupBuffers.mark_freed; hooks here cost Python per
             # saved tensor, ~8 % of a tiny-13g step's CPU time at W=4)
@@ -185,7 +190,11 @@ def _ensure_gathered(step: Step, name: str) -> None:
     """Autograd unpacks a saved view of group ``name``'s unsharded storage: gather the group first (in a backward:
     a retained graph's second backward too); outside backward (``grad_fn._saved_*``) a freed group raises."""
     if current_graph_task_id() == -1 and step.groups[name].status is not Status.GATHERED:
-        if step.done:
+        if step.done and freed_after_forward(step, step.groups[name]):
+            when = ("freed after the step's backward (the group reshards after forward too, so it cannot be read "
+                    "before the backward either): read it inside the backward, or keep the group gathered after the "
+                    "backward (reshard_after_backward=False for it)")
+        elif step.done:
             when = ("freed after the step's backward: read it before or inside the backward, or keep the group "
                     "gathered (reshard_after_backward=False for it)")
         else:
@@ -196,6 +205,21 @@ def _ensure_gathered(step: Step, name: str) -> None:
             f"unsharded parameters, {when}; or keep `.detach().clone()` of it inside the forward, or read the "
             f"parameters by funcshard.gather(plan, state) (reading it now would read freed memory) ({step.api})")
     regather(step, name)
+
+
+def freed_after_forward(step: Step, gb) -> bool:
+    """Group buffers ``gb``'s group is freed (or resharded to fewer ranks) after its forward."""
+    return bool(gb.group.reshard_after_forward) or step.plan.post_forward_world(gb.group) is not None
+
+
+def _refuse_stale(step: Step, name: str) -> None:
+    """Autograd unpacks a saved view of group ``name``'s unsharded parameters, refilled from shards changed in place
+    since (``GroupBuffers.stale``): it would compute with the new values (plain torch refuses the same)."""
+    raise RuntimeError(
+        f"funcshard: a tensor autograd saved in the forward of group {name!r} is a view of the group's unsharded "
+        f"parameters, and the group's parameters were modified by an inplace operation since that forward (an "
+        f"optimizer step, a no_grad edit): its backward would use the new values. Run a new forward after changing "
+        f"the parameters, or run every backward of this graph before changing them ({step.api})")
 
 
 def regather(step: Step, name: str) -> None:

@@ -120,6 +120,9 @@ class Step:
         self.failed: str | None = None  # what failed this step (Step.fail), as text
         lay = layouts(plan)
         self.groups = {g.name: GroupBuffers(g, lay[g.name], state, plan, self.device) for g in plan.groups}
+        if sink is not None:  # (fully_shard: its parameters, whose in-place changes GroupBuffers.unmark_freed sees)
+            for gb in self.groups.values():
+                gb.watch = sink.watched(gb.group.params)
         # one group's life in this step: its buffers, module slots, gather node, fused state, frozen-release counts
         self.runs = {name: GroupRun(self, gb, Slots(facts.slots[name], facts.present[name]))
                      for name, gb in self.groups.items()}

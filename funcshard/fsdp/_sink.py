@@ -71,6 +71,11 @@ class GradSink:
         self.ctx = ctx
         self.paths = {g.name: g.params for g in ctx.base.groups}
 
+    def watched(self, paths) -> list[torch.Tensor]:
+        """The DTensor parameters at ``paths`` (an optimizer step or a no_grad edit moves their autograd version on,
+        not their shards', ``ShardedParam.leaf``'s detached aliases)."""
+        return [self.ctx.recs[p].param for p in paths]
+
     def collect(self, name: str, grads: list) -> tuple[list | None, Any]:
         """The full gradients of a group's post-backward: kept (None) without gradient sync, else with what earlier
         unsynced backwards accumulated added, and which parameters had a gradient on this rank."""
