@@ -67,6 +67,13 @@ will_engine_execute_node = require("torch._C._will_engine_execute_node")  # (ins
 queue_callback = require("torch.autograd.Variable._execution_engine").queue_callback  # at the end of backward
 unsafe_preserve_version_counter = require("torch.autograd._unsafe_preserve_version_counter")  # context manager
 set_version_counters = require("torch._C._autograd._unsafe_set_version_counter")  # (tensors, versions)
+
+
+def version_counters(tensors) -> list[int]:
+    """Autograd's version counters of ``tensors`` (``Tensor._version``: moved on by every in-place change)."""
+    return [t._version for t in tensors]
+
+
 make_subclass = require("torch.Tensor._make_subclass")  # a tensor subclass instance sharing a tensor's data
 # The C++ ``Function.apply`` (without torch.autograd.Function.apply's per-call Python); None: use fn.apply.
 function_base_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
@@ -324,7 +331,7 @@ __all__ = [
     "is_compiled_backward",
     "DisableTorchFunctionSubclass", "dispatch_keys",
     "current_graph_task_id", "will_engine_execute_node", "queue_callback", "unsafe_preserve_version_counter",
-    "set_version_counters",
+    "set_version_counters", "version_counters",
     "make_subclass", "function_base_apply", "top_saved_tensors_default_hooks", "storage_key",
     "checkpoint_saved_hooks", "saved_tensors_hooks_enabled",
     "chunk_cat", "unflatten_dense_tensors", "foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_",

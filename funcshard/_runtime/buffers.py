@@ -20,7 +20,7 @@ import torch
 from funcshard._collectives import CollectiveError, free_buffers, no_functorch, no_grad, unwrapped, Where
 from funcshard._pipeline import Buckets, post_forward_shards, regather_targets, start_gather, start_regather
 from funcshard._extension import extension_of
-from funcshard._compat import set_version_counters, unsafe_preserve_version_counter
+from funcshard._compat import set_version_counters, unsafe_preserve_version_counter, version_counters
 from funcshard._offload import to_device
 from funcshard._plan import Group
 from funcshard._spec import reduced
@@ -232,7 +232,7 @@ class GroupBuffers:
         tensors = tuple(self.versioned())
         if not tensors or any(t.is_inference() for t in tensors):
             return  # (inference tensors have no versions)
-        versions = [t._version for t in tensors]
+        versions = version_counters(tensors)
         self.freed_versions = (tensors, versions, self.shard_versions())
         set_version_counters(tensors, [v + 1 for v in versions])
 
@@ -250,7 +250,7 @@ class GroupBuffers:
     def shard_versions(self) -> list[int]:
         """Autograd's versions of the parameters the group's gathers read (``watch``): an in-place change of one (an
         optimizer step, a no_grad edit) moves it on."""
-        return [t._version for t in self.watch]
+        return version_counters(self.watch)
 
     def reshard_to(self, plan, k: int) -> None:
         """Keep this rank's post-forward shards (a ``k``-th of the unsharded buffers, ``post_forward_shards``), free
