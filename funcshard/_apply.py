@@ -79,7 +79,11 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     # traces: reading the transform stack is a graph break of its own, and dynamo runs a torch.func transform that
     # reaches the runtime's boundary eagerly, where this is asked)
     compiling = torch.compiler.is_compiling()
-    if not compiling and _nested(plan, state, args, kwargs):
+    nested = False if compiling else _nested(plan)
+    if nested is None:  # (one jvp level: nested where plain autograd records its tangents below it)
+        nested = (isinstance(state, Mapping) and bool(tangents_below(state, (args, kwargs)))
+                  and not apply_unsupported(plan))
+    if nested:
         check_state(plan, state)
         check_mesh(plan.mesh)
         return traced_run(plan, state, args, kwargs, "funcshard.apply")
@@ -96,19 +100,22 @@ def apply(plan: Plan, state: Mapping[str, torch.Tensor], *args: Any, **kwargs: A
     return _exit(step, out)
 
 
-def _nested(plan: Plan, state: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> bool:
+def _nested(plan: Plan) -> bool | None:
     """Whether a torch.func transform stack other than the runtime's own is active, and the traced mode runs the plan
     (else apply's ``check_transforms`` refuses it). The runtime's own: none, one grad/vjp level, or one jvp level
-    whose tangents plain autograd does not record below it (``strategies.tangents_below``: their gather is the
-    traced path's, differentiable)."""
+    whose tangents plain autograd does not record below it (None: one jvp level, the caller asks
+    ``strategies.tangents_below``: then the tangents' gather is the traced path's, differentiable). Takes no tensors:
+    dynamo skips such a frame met inside a torch.func transform silently (one with tensors it tries and refuses, one
+    more "Unsupported functorch tracing attempt": test_compile's pinned breaks)."""
     stack = get_interpreter_stack()
     if not stack:
         return False
     if len(stack) == 1:
         key = stack[0].key()
-        if key == TransformType.Grad or (key == TransformType.Jvp and not (
-                isinstance(state, Mapping) and tangents_below(state, (args, kwargs)))):
+        if key == TransformType.Grad:
             return False
+        if key == TransformType.Jvp:
+            return None
     return not apply_unsupported(plan)
 
 

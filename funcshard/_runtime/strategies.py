@@ -566,11 +566,16 @@ class _StepGather(torch.autograd.Function):
     @runtime_boundary
     def backward(ctx, *grads):
         step = ctx.step
-        if not get_interpreter_stack() and step.below and differentiated_below(step):
-            return (None, *_outer_shard_grads(step, grads))  # (plain autograd below the level: differentiated_below)
+        # (plain autograd below the level, after the level's own backward: differentiated_below. Not the level's own
+        # backward run outside it, as torch.func.vjp's vjp_fn does: no stack there either; its gradients came by the
+        # views' hooks, grads holds none of them: the first-order path below)
+        if not get_interpreter_stack() and step.below and step.done and differentiated_below(step):
+            return (None, *_outer_shard_grads(step, grads))
         out = first_order(_second_order_dep(grads), step.fused.shard_grads())
         if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
             out = _tracked_below(step, out)
+        elif torch.is_grad_enabled() and step.below:  # (torch.func.vjp's vjp_fn with create_graph: _VJP_BELOW)
+            out = refuse_again(_VJP_BELOW, step.below, out)
         return (None, *out)
 
 
@@ -646,6 +651,13 @@ _BELOW = (
     "torch.func.grad; the state or an input requires grad there), through group {group!r}, whose reduce-scatter "
     "apply's runtime cannot transpose: {why}. The first-order values are right and were returned. Use a plan without "
     "it, nest torch.func transforms (torch.func.grad(grad(...))), or funcshard.gather + torch.func.functional_call")
+
+_VJP_BELOW = (
+    "funcshard.apply: the gradients of a torch.func.vjp's vjp_fn (the level's backward, run outside the transform) "
+    "through apply's runtime were differentiated again by plain autograd (the state or an input requires grad: MAML's "
+    "inner step by torch.func.vjp); apply's runtime does not make that exact. The first-order values are right and "
+    "were returned. Take the inner gradient with torch.func.grad (exact: its gradients are differentiable below the "
+    "transform), or use funcshard.traced_apply or funcshard.gather + torch.func.functional_call")
 
 _NOT_DIFFERENTIABLE = (
     "funcshard.apply: a gradient taken with create_graph=True was differentiated again through group {group!r}, whose "
