@@ -142,6 +142,7 @@ class Step:
         # apply, under one torch.func grad level: the call's tensors plain autograd records below it (None: not
         # apply's step; strategies._tracked_below)
         self.below: list | None = None
+        self.backward_in_level = False  # apply: this step's backward ran inside its torch.func grad level
         self.hook_handles: list = []
         self.no_backward = False  # open_forward: no autograd, the hooks go when the forward ends
         self.pre_backward_ran: set[str] = set()  # groups whose pre-backward ran in this backward

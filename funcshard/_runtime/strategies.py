@@ -566,13 +566,17 @@ class _StepGather(torch.autograd.Function):
     @runtime_boundary
     def backward(ctx, *grads):
         step = ctx.step
-        # (plain autograd below the level, after the level's own backward: differentiated_below. Not the level's own
-        # backward run outside it, as torch.func.vjp's vjp_fn does: no stack there either; its gradients came by the
-        # views' hooks, grads holds none of them: the first-order path below)
-        if not get_interpreter_stack() and step.below and step.done and differentiated_below(step):
+        # (plain autograd below the level, after the level's own backward ran inside it (torch.func.grad,
+        # grad_and_value): differentiated_below. Not the level's own backward run outside it, as torch.func.vjp's
+        # vjp_fn runs it, once or again: no stack there either; its gradients came by the views' hooks, grads holds
+        # none of them: the first-order path below)
+        stack = get_interpreter_stack()
+        if not stack and step.below and step.backward_in_level and differentiated_below(step):
             return (None, *_outer_shard_grads(step, grads))
+        if stack:
+            step.backward_in_level = True
         out = first_order(_second_order_dep(grads), step.fused.shard_grads())
-        if torch.is_grad_enabled() and get_interpreter_stack():  # (torch.func.grad: see _tracked_below)
+        if torch.is_grad_enabled() and stack:  # (torch.func.grad: see _tracked_below)
             out = _tracked_below(step, out)
         elif torch.is_grad_enabled() and step.below:  # (torch.func.vjp's vjp_fn with create_graph: _VJP_BELOW)
             out = refuse_again(_VJP_BELOW, step.below, out)
